@@ -1,0 +1,1 @@
+//! The simulator backend (placeholder while it is written).

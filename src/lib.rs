@@ -1,0 +1,19 @@
+//! # gpupool
+//!
+//! A lock-free, multi-GPU device-memory allocator runtime.
+//!
+//! See `README.md` for the what and why, and `docs/ARCHITECTURE.md` for how
+//! the layers fit: [`backend`] (the driver seam, with a faithful simulator),
+//! the per-device pool, compaction, and the runtime over all devices.
+
+#![warn(missing_docs)]
+
+pub mod backend;
+pub mod config;
+mod error;
+mod ptr;
+
+pub use backend::{Backend, DeviceInfo, Move};
+pub use config::{BackendKind, PoolConfig, SimConfig};
+pub use error::{Error, OomReport, Result};
+pub use ptr::{ChunkHandle, DevicePtr, EventHandle, StreamHandle};
