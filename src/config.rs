@@ -1,10 +1,366 @@
-//! Configuration (placeholder while it is written).
-/// Which backend.
-#[derive(Debug, Clone)]
-pub enum BackendKind {}
-/// Pool config.
-#[derive(Debug, Clone, Default)]
-pub struct PoolConfig;
-/// Sim config.
-#[derive(Debug, Clone, Default)]
-pub struct SimConfig;
+//! Configuration: [`PoolConfig`], the backend choice, and `GPUPOOL_CONF`.
+//!
+//! `GPUPOOL_CONF` is a comma-separated list of `key=value` pairs, in the
+//! style of `PYTORCH_CUDA_ALLOC_CONF`:
+//!
+//! ```text
+//! GPUPOOL_CONF=backend=sim,devices=2,capacity=8GiB,idle_ms=50
+//! ```
+//!
+//! Sizes take a plain byte count or a suffix (`K`/`KiB`, `M`/`MiB`,
+//! `G`/`GiB`, `T`/`TiB`, all powers of 1024; `KB`, `MB`, `GB` are powers of
+//! 1000). Booleans take `1/0/true/false/yes/no/on/off`. Unknown keys and bad
+//! values are errors that name the key. [`PoolConfig::KEYS`] lists every key
+//! with its meaning.
+
+use crate::backend::sim::SimBacking;
+pub use crate::backend::sim::SimConfig;
+use crate::error::{Error, Result};
+use std::time::Duration;
+
+/// Which backend a runtime uses.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub enum BackendKind {
+    /// The simulator with this configuration.
+    Sim(SimConfig),
+    /// The CUDA driver; an error if none is present.
+    Cuda,
+    /// CUDA if a driver and a device are present, else the simulator with
+    /// [`PoolConfig::sim`].
+    Auto,
+}
+
+/// Everything that tunes the pools (and, through `GPUPOOL_CONF`, the backend).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct PoolConfig {
+    /// Backend to use when the runtime builder is not told otherwise.
+    pub backend: BackendKind,
+    /// Simulator settings, for `backend=sim` and for `auto` without CUDA.
+    pub sim: SimConfig,
+    /// Requests up to this many bytes come from size-class slabs; larger ones
+    /// take the large (virtual-memory) path.
+    pub small_max: u64,
+    /// Virtual address space reserved per device for the large path, as a
+    /// multiple of device memory.
+    pub va_factor: u64,
+    /// Hand a pending block to another stream by making that stream wait on
+    /// the block's events (no host sync) instead of waiting for completion.
+    pub handover: bool,
+    /// Keep per-thread caches of small slots.
+    pub thread_cache: bool,
+    /// Start an idle-time compaction pass after this long without traffic
+    /// (`None`: never automatically).
+    pub idle: Option<Duration>,
+    /// Most bytes one compaction pass moves.
+    pub compact_max_bytes: u64,
+    /// Most blocks one compaction pass moves.
+    pub compact_max_blocks: usize,
+    /// Give memory emptied by compaction back to the device (`true`) or keep
+    /// it cached in the pool (`false`).
+    pub compact_release: bool,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            backend: BackendKind::Auto,
+            sim: SimConfig::default(),
+            small_max: 1 << 20,
+            va_factor: 4,
+            handover: true,
+            thread_cache: true,
+            idle: None,
+            compact_max_bytes: 256 << 20,
+            compact_max_blocks: 4096,
+            compact_release: true,
+        }
+    }
+}
+
+impl PoolConfig {
+    /// Every key `GPUPOOL_CONF` accepts, with what it sets.
+    pub const KEYS: &'static [(&'static str, &'static str)] = &[
+        (
+            "backend",
+            "sim | cuda | auto (default auto: CUDA if present, else sim)",
+        ),
+        ("devices", "simulated devices (default 1)"),
+        ("capacity", "memory per simulated device (default 8GiB)"),
+        (
+            "granularity",
+            "simulated allocation granularity (default 2MiB)",
+        ),
+        (
+            "vmm",
+            "simulated devices support virtual memory (default true)",
+        ),
+        (
+            "op_delay_us",
+            "simulated delay before each stream operation (default 0)",
+        ),
+        (
+            "backing",
+            "simulated memory: memory | accounting (default memory)",
+        ),
+        (
+            "small_max",
+            "largest request served from size-class slabs (default 1MiB)",
+        ),
+        (
+            "va_factor",
+            "large-path address space per device, times its memory (default 4)",
+        ),
+        (
+            "handover",
+            "hand pending blocks to other streams via stream-wait-event (default true)",
+        ),
+        (
+            "thread_cache",
+            "per-thread caches of small slots (default true)",
+        ),
+        (
+            "idle_ms",
+            "idle time before automatic compaction, 0 = never (default 0)",
+        ),
+        (
+            "compact_max_bytes",
+            "bytes moved per compaction pass at most (default 256MiB)",
+        ),
+        (
+            "compact_max_blocks",
+            "blocks moved per compaction pass at most (default 4096)",
+        ),
+        (
+            "compact_release",
+            "return compacted memory to the device (default true)",
+        ),
+    ];
+
+    /// Reads `GPUPOOL_CONF`; the defaults where it is unset or empty.
+    pub fn from_env() -> Result<PoolConfig> {
+        match std::env::var("GPUPOOL_CONF") {
+            Ok(s) => PoolConfig::parse(&s),
+            Err(std::env::VarError::NotPresent) => Ok(PoolConfig::default()),
+            Err(e) => Err(Error::Config {
+                key: "GPUPOOL_CONF".into(),
+                msg: e.to_string(),
+            }),
+        }
+    }
+
+    /// Parses a `GPUPOOL_CONF` string over the defaults.
+    pub fn parse(s: &str) -> Result<PoolConfig> {
+        let mut c = PoolConfig::default();
+        let mut backend = None;
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (key, value) = item.split_once('=').ok_or_else(|| Error::Config {
+                key: item.to_string(),
+                msg: "expected key=value".into(),
+            })?;
+            let (key, value) = (key.trim(), value.trim());
+            let bad = |msg: String| Error::Config {
+                key: key.to_string(),
+                msg,
+            };
+            match key {
+                "backend" => backend = Some(value.to_ascii_lowercase()),
+                "devices" => {
+                    c.sim.devices = parse_u64(value).map_err(bad)? as usize;
+                    if c.sim.devices == 0 || c.sim.devices > 64 {
+                        return Err(bad(format!("{value}: between 1 and 64 devices")));
+                    }
+                }
+                "capacity" => c.sim.capacity_bytes = nonzero(parse_size(value)).map_err(bad)?,
+                "granularity" => {
+                    let g = parse_size(value).map_err(bad)?;
+                    if !g.is_power_of_two() || g < 4096 {
+                        return Err(bad(format!("{value}: a power of two of at least 4KiB")));
+                    }
+                    c.sim.granularity = g;
+                }
+                "vmm" => c.sim.vmm = parse_bool(value).map_err(bad)?,
+                "op_delay_us" => {
+                    c.sim.op_delay = Duration::from_micros(parse_u64(value).map_err(bad)?)
+                }
+                "backing" => {
+                    c.sim.backing = match value {
+                        "memory" => SimBacking::Memory,
+                        "accounting" => SimBacking::Accounting,
+                        _ => return Err(bad(format!("{value}: expected memory or accounting"))),
+                    }
+                }
+                "small_max" => c.small_max = nonzero(parse_size(value)).map_err(bad)?,
+                "va_factor" => {
+                    c.va_factor = nonzero(parse_u64(value)).map_err(bad)?;
+                    if c.va_factor > 64 {
+                        return Err(bad(format!("{value}: at most 64")));
+                    }
+                }
+                "handover" => c.handover = parse_bool(value).map_err(bad)?,
+                "thread_cache" => c.thread_cache = parse_bool(value).map_err(bad)?,
+                "idle_ms" => {
+                    let ms = parse_u64(value).map_err(bad)?;
+                    c.idle = (ms > 0).then(|| Duration::from_millis(ms));
+                }
+                "compact_max_bytes" => {
+                    c.compact_max_bytes = nonzero(parse_size(value)).map_err(bad)?
+                }
+                "compact_max_blocks" => {
+                    c.compact_max_blocks = nonzero(parse_u64(value)).map_err(bad)? as usize
+                }
+                "compact_release" => c.compact_release = parse_bool(value).map_err(bad)?,
+                _ => {
+                    return Err(Error::Config {
+                        key: key.to_string(),
+                        msg: format!(
+                            "unknown key; known keys: {}",
+                            Self::KEYS
+                                .iter()
+                                .map(|k| k.0)
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    })
+                }
+            }
+        }
+        c.backend = match backend.as_deref() {
+            None | Some("auto") => BackendKind::Auto,
+            Some("sim") => BackendKind::Sim(c.sim.clone()),
+            Some("cuda") => BackendKind::Cuda,
+            Some(other) => {
+                return Err(Error::Config {
+                    key: "backend".into(),
+                    msg: format!("{other}: expected sim, cuda or auto"),
+                })
+            }
+        };
+        Ok(c)
+    }
+}
+
+fn nonzero(v: std::result::Result<u64, String>) -> std::result::Result<u64, String> {
+    match v {
+        Ok(0) => Err("must be greater than zero".into()),
+        other => other,
+    }
+}
+
+fn parse_u64(s: &str) -> std::result::Result<u64, String> {
+    s.parse::<u64>()
+        .map_err(|_| format!("{s:?} is not a whole number"))
+}
+
+/// Parses a byte size such as `4096`, `64KiB`, `2M`, `8GiB` or `1.5GB`.
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => return Err(format!("{s:?}: unknown size unit {unit:?}")),
+    };
+    if num.is_empty() {
+        return Err(format!("{s:?} is not a size"));
+    }
+    let v: f64 = num.parse().map_err(|_| format!("{s:?} is not a size"))?;
+    let bytes = v * mult as f64;
+    if !bytes.is_finite() || bytes >= u64::MAX as f64 || bytes.fract() != 0.0 {
+        return Err(format!("{s:?} is not a whole number of bytes"));
+    }
+    Ok(bytes as u64)
+}
+
+fn parse_bool(s: &str) -> std::result::Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(format!("{s:?} is not a boolean")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("64KiB"), Ok(64 << 10));
+        assert_eq!(parse_size("2M"), Ok(2 << 20));
+        assert_eq!(parse_size("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_size("1.5GB"), Ok(1_500_000_000));
+        assert!(parse_size("12XB").is_err());
+        assert!(parse_size("GiB").is_err());
+        assert!(parse_size("-1").is_err());
+    }
+
+    #[test]
+    fn conf_string_sets_backend_and_keys() {
+        let c = PoolConfig::parse("backend=sim,devices=2,capacity=8GiB,idle_ms=50").unwrap();
+        assert_eq!(c.sim.devices, 2);
+        assert_eq!(c.sim.capacity_bytes, 8 << 30);
+        assert_eq!(c.idle, Some(Duration::from_millis(50)));
+        match c.backend {
+            BackendKind::Sim(s) => assert_eq!(s.devices, 2),
+            other => panic!("expected sim, got {other:?}"),
+        }
+        assert_eq!(PoolConfig::parse("").unwrap(), PoolConfig::default());
+    }
+
+    #[test]
+    fn unknown_key_and_bad_value_name_the_key() {
+        match PoolConfig::parse("devices=2,colour=blue") {
+            Err(Error::Config { key, msg }) => {
+                assert_eq!(key, "colour");
+                assert!(msg.contains("unknown key"), "{msg}");
+            }
+            other => panic!("{other:?}"),
+        }
+        match PoolConfig::parse("capacity=lots") {
+            Err(Error::Config { key, .. }) => assert_eq!(key, "capacity"),
+            other => panic!("{other:?}"),
+        }
+        match PoolConfig::parse("backend=tpu") {
+            Err(Error::Config { key, .. }) => assert_eq!(key, "backend"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            PoolConfig::parse("devices"),
+            Err(Error::Config { .. })
+        ));
+        assert!(matches!(
+            PoolConfig::parse("devices=0"),
+            Err(Error::Config { .. })
+        ));
+        assert!(matches!(
+            PoolConfig::parse("vmm=maybe"),
+            Err(Error::Config { .. })
+        ));
+    }
+
+    #[test]
+    fn every_documented_key_is_accepted() {
+        let values = |k: &str| match k {
+            "backend" => "sim",
+            "backing" => "accounting",
+            "vmm" | "handover" | "thread_cache" | "compact_release" => "false",
+            "granularity" => "64KiB",
+            _ => "3",
+        };
+        for (k, _) in PoolConfig::KEYS {
+            let s = format!("{k}={}", values(k));
+            PoolConfig::parse(&s).unwrap_or_else(|e| panic!("{s}: {e}"));
+        }
+    }
+}

@@ -63,7 +63,9 @@ pub enum Error {
         msg: String,
     },
     /// The device itself has no more memory for a physical chunk or segment.
-    #[error("device {device} out of memory: {requested} B requested, {used} B of {capacity} B in use")]
+    #[error(
+        "device {device} out of memory: {requested} B requested, {used} B of {capacity} B in use"
+    )]
     DeviceOutOfMemory {
         /// Device index.
         device: usize,
@@ -156,11 +158,17 @@ impl From<std::io::Error> for Error {
 impl Error {
     /// Builds a [`Error::Backend`].
     pub fn backend(call: &'static str, msg: impl Into<String>) -> Self {
-        Error::Backend { call, msg: msg.into() }
+        Error::Backend {
+            call,
+            msg: msg.into(),
+        }
     }
 
     /// Whether this error means "no memory" (device or pool).
     pub fn is_oom(&self) -> bool {
-        matches!(self, Error::OutOfMemory(_) | Error::DeviceOutOfMemory { .. })
+        matches!(
+            self,
+            Error::OutOfMemory(_) | Error::DeviceOutOfMemory { .. }
+        )
     }
 }

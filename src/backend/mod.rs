@@ -179,3 +179,35 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// For downcasting to the concrete backend (the simulator's test hooks).
     fn as_any(&self) -> &dyn Any;
 }
+
+/// Opens the backend `kind` names. `Auto` tries CUDA (when the `cuda`
+/// feature is built) and falls back to the simulator with `sim`, logging why.
+pub fn open(
+    kind: &crate::config::BackendKind,
+    sim: &sim::SimConfig,
+) -> Result<std::sync::Arc<dyn Backend>> {
+    use crate::config::BackendKind;
+    match kind {
+        BackendKind::Sim(cfg) => Ok(std::sync::Arc::new(sim::SimBackend::new(cfg.clone())?)),
+        BackendKind::Cuda => open_cuda(),
+        BackendKind::Auto => match open_cuda() {
+            Ok(b) => Ok(b),
+            Err(e) => {
+                tracing::info!("CUDA unavailable ({e}); using the simulator");
+                Ok(std::sync::Arc::new(sim::SimBackend::new(sim.clone())?))
+            }
+        },
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda() -> Result<std::sync::Arc<dyn Backend>> {
+    cuda::open()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda() -> Result<std::sync::Arc<dyn Backend>> {
+    Err(crate::error::Error::NoDriver(
+        "gpupool was built without the `cuda` feature".into(),
+    ))
+}

@@ -1,1 +1,0 @@
-//! The simulator backend (placeholder while it is written).

@@ -1,0 +1,556 @@
+//! Simulated device memory: physical chunks in a memfd, virtual ranges
+//! reserved with `mmap(PROT_NONE)` and mapped with `mmap(MAP_FIXED|MAP_SHARED)`.
+//!
+//! Device addresses are real host addresses, so the pool's stitching code
+//! runs for real: mapping one chunk at two addresses shows the same bytes at
+//! both. Every access by simulated work (kernels, moves, copies) is checked
+//! against the mapping table first; an access outside mapped memory becomes a
+//! recorded device fault (CUDA's `CUDA_ERROR_ILLEGAL_ADDRESS`) instead of a
+//! crash of the test process.
+//!
+//! In accounting mode ([`SimBacking::Accounting`]) nothing is backed: chunks
+//! are byte counts, addresses come from a counter, and work on memory is a
+//! no-op. That mode replays traces of tens of GB.
+
+use super::SimBacking;
+use crate::error::{Error, Result};
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+/// One physical chunk.
+#[derive(Debug)]
+struct Chunk {
+    /// Offset in the device's memfd.
+    file_offset: u64,
+    len: u64,
+    /// Live mappings of (parts of) this chunk.
+    maps: u32,
+    /// `cuMemRelease` was called; freed once `maps` reaches zero (CUDA's rule).
+    released: bool,
+}
+
+/// One reserved virtual range.
+#[derive(Debug)]
+struct Reservation {
+    len: u64,
+    /// What `mmap` returned (before aligning), for `munmap`.
+    raw_base: u64,
+    raw_len: u64,
+}
+
+/// What backs one mapped range.
+#[derive(Debug, Clone, Copy)]
+enum Backing {
+    /// Part of a chunk mapped into a reservation.
+    Chunk { chunk: u64 },
+    /// A plain segment (`cuMemAlloc`); owns its own physical range.
+    Segment { file_offset: u64, raw_len: u64 },
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Mapped {
+    len: u64,
+    backing: Backing,
+}
+
+/// All memory state of one simulated device. Guarded by one `RwLock` in the
+/// device: work on memory takes it shared, map/unmap take it exclusive, so a
+/// range cannot be unmapped under a running kernel.
+#[derive(Debug)]
+pub(super) struct DeviceMemory {
+    device: usize,
+    granularity: u64,
+    backing: SimBacking,
+    memfd: Option<OwnedFd>,
+    file_len: u64,
+    /// Free ranges of the memfd: offset -> len.
+    file_free: BTreeMap<u64, u64>,
+    /// Bytes of physical memory held (chunks and segments).
+    pub(super) used: u64,
+    chunks: HashMap<u64, Chunk>,
+    next_chunk: u64,
+    reservations: BTreeMap<u64, Reservation>,
+    /// Every mapped range (chunk mappings and segments): va -> range.
+    mapped: BTreeMap<u64, Mapped>,
+    /// Next fake address in accounting mode.
+    next_fake_va: u64,
+}
+
+fn os_err(call: &'static str) -> Error {
+    Error::backend(call, std::io::Error::last_os_error().to_string())
+}
+
+fn round_up(v: u64, to: u64) -> u64 {
+    v.div_ceil(to) * to
+}
+
+const PAGE: u64 = 4096;
+
+impl DeviceMemory {
+    pub(super) fn new(device: usize, granularity: u64, backing: SimBacking) -> Result<Self> {
+        let memfd = match backing {
+            SimBacking::Memory => {
+                let name = std::ffi::CString::new(format!("gpupool-sim-{device}")).unwrap();
+                // SAFETY: `name` is a valid NUL-terminated string; memfd_create
+                // has no other preconditions.
+                let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+                if fd < 0 {
+                    return Err(os_err("memfd_create"));
+                }
+                // SAFETY: `fd` was just returned by memfd_create and is owned
+                // by nobody else.
+                Some(unsafe { OwnedFd::from_raw_fd(fd) })
+            }
+            SimBacking::Accounting => None,
+        };
+        Ok(DeviceMemory {
+            device,
+            granularity,
+            backing,
+            memfd,
+            file_len: 0,
+            file_free: BTreeMap::new(),
+            used: 0,
+            chunks: HashMap::new(),
+            next_chunk: 1,
+            reservations: BTreeMap::new(),
+            mapped: BTreeMap::new(),
+            // Distinct, recognisable fake address spaces per device.
+            next_fake_va: 0x1000_0000_0000 + ((device as u64) << 40),
+        })
+    }
+
+    fn fd(&self) -> i32 {
+        self.memfd.as_ref().map_or(-1, |f| f.as_raw_fd())
+    }
+
+    /// Takes `len` bytes of the memfd: first fit, else grow the file. The file
+    /// is sparse, so only touched pages cost host memory.
+    fn take_file_range(&mut self, len: u64) -> Result<u64> {
+        if self.memfd.is_none() {
+            return Ok(0);
+        }
+        let fit = self
+            .file_free
+            .iter()
+            .find(|(_, l)| **l >= len)
+            .map(|(o, l)| (*o, *l));
+        if let Some((off, flen)) = fit {
+            self.file_free.remove(&off);
+            if flen > len {
+                self.file_free.insert(off + len, flen - len);
+            }
+            return Ok(off);
+        }
+        let off = self.file_len;
+        // SAFETY: plain syscall on a file descriptor this struct owns.
+        if unsafe { libc::ftruncate(self.fd(), (off + len) as libc::off_t) } != 0 {
+            return Err(os_err("ftruncate"));
+        }
+        self.file_len = off + len;
+        Ok(off)
+    }
+
+    /// Returns a memfd range and punches a hole so its host pages go back.
+    fn give_file_range(&mut self, off: u64, len: u64) {
+        if self.memfd.is_none() {
+            return;
+        }
+        // SAFETY: plain syscall on an owned fd; the range lies inside the file.
+        unsafe {
+            libc::fallocate(
+                self.fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                off as libc::off_t,
+                len as libc::off_t,
+            );
+        }
+        let mut off = off;
+        let mut len = len;
+        // Coalesce with neighbours so first fit keeps finding room.
+        if let Some((&poff, &plen)) = self.file_free.range(..off).next_back() {
+            if poff + plen == off {
+                self.file_free.remove(&poff);
+                off = poff;
+                len += plen;
+            }
+        }
+        if let Some(&nlen) = self.file_free.get(&(off + len)) {
+            self.file_free.remove(&(off + len));
+            len += nlen;
+        }
+        self.file_free.insert(off, len);
+    }
+
+    fn check_granule(&self, what: &str, v: u64) -> Result<()> {
+        if v == 0 || v % self.granularity != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{what} {v:#x} is not a non-zero multiple of the granularity {}",
+                self.granularity
+            )));
+        }
+        Ok(())
+    }
+
+    pub(super) fn create_chunk(&mut self, bytes: u64) -> Result<u64> {
+        self.check_granule("chunk size", bytes)?;
+        let file_offset = self.take_file_range(bytes)?;
+        let id = self.next_chunk;
+        self.next_chunk += 1;
+        self.chunks.insert(
+            id,
+            Chunk {
+                file_offset,
+                len: bytes,
+                maps: 0,
+                released: false,
+            },
+        );
+        self.used += bytes;
+        Ok(id)
+    }
+
+    pub(super) fn release_chunk(&mut self, id: u64) -> Result<()> {
+        let c = self
+            .chunks
+            .get_mut(&id)
+            .filter(|c| !c.released)
+            .ok_or_else(|| Error::InvalidHandle(format!("chunk {id} on device {}", self.device)))?;
+        c.released = true;
+        if c.maps == 0 {
+            self.drop_chunk(id);
+        }
+        Ok(())
+    }
+
+    fn drop_chunk(&mut self, id: u64) {
+        if let Some(c) = self.chunks.remove(&id) {
+            self.used -= c.len;
+            self.give_file_range(c.file_offset, c.len);
+        }
+    }
+
+    pub(super) fn reserve_va(&mut self, bytes: u64) -> Result<u64> {
+        self.check_granule("reservation size", bytes)?;
+        let g = self.granularity;
+        let (base, raw_base, raw_len) = match self.backing {
+            SimBacking::Accounting => {
+                let base = round_up(self.next_fake_va, g);
+                self.next_fake_va = base + bytes + g; // a guard gap
+                (base, base, bytes)
+            }
+            SimBacking::Memory => {
+                let raw_len = bytes + g;
+                // SAFETY: an anonymous PROT_NONE reservation at an address the
+                // kernel chooses; it aliases nothing.
+                let p = unsafe {
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        raw_len as usize,
+                        libc::PROT_NONE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                        -1,
+                        0,
+                    )
+                };
+                if p == libc::MAP_FAILED {
+                    return Err(os_err("cuMemAddressReserve(mmap)"));
+                }
+                let raw = p as u64;
+                (round_up(raw, g), raw, raw_len)
+            }
+        };
+        self.reservations.insert(
+            base,
+            Reservation {
+                len: bytes,
+                raw_base,
+                raw_len,
+            },
+        );
+        Ok(base)
+    }
+
+    pub(super) fn free_va(&mut self, base: u64, bytes: u64) -> Result<()> {
+        let r = self.reservations.get(&base).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{base:#x} is not a reservation on device {}",
+                self.device
+            ))
+        })?;
+        if r.len != bytes {
+            return Err(Error::InvalidArgument(format!(
+                "reservation {base:#x} has {} bytes, not {bytes}",
+                r.len
+            )));
+        }
+        if self.mapped.range(base..base + bytes).next().is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "reservation {base:#x} still has mappings"
+            )));
+        }
+        let r = self.reservations.remove(&base).expect("checked above");
+        if self.backing == SimBacking::Memory {
+            // SAFETY: exactly the range mmap returned for this reservation;
+            // nothing is mapped inside it any more.
+            unsafe { libc::munmap(r.raw_base as *mut libc::c_void, r.raw_len as usize) };
+        }
+        Ok(())
+    }
+
+    /// The reservation holding all of `[va, va+len)`, if any.
+    fn reservation_of(&self, va: u64, len: u64) -> Option<u64> {
+        let (&base, r) = self.reservations.range(..=va).next_back()?;
+        (va + len <= base + r.len).then_some(base)
+    }
+
+    pub(super) fn map(&mut self, va: u64, bytes: u64, chunk: u64, chunk_offset: u64) -> Result<()> {
+        self.check_granule("mapping size", bytes)?;
+        if va % self.granularity != 0 || chunk_offset % self.granularity != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "mapping at {va:#x} (chunk offset {chunk_offset}) is not granule aligned"
+            )));
+        }
+        if self.reservation_of(va, bytes).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "[{va:#x}, +{bytes}) is not inside one reservation on device {}",
+                self.device
+            )));
+        }
+        if self.overlaps_mapping(va, bytes) {
+            return Err(Error::InvalidArgument(format!(
+                "[{va:#x}, +{bytes}) is already mapped"
+            )));
+        }
+        let c = self
+            .chunks
+            .get(&chunk)
+            .filter(|c| !c.released)
+            .ok_or_else(|| {
+                Error::InvalidHandle(format!("chunk {chunk} on device {}", self.device))
+            })?;
+        if chunk_offset + bytes > c.len {
+            return Err(Error::InvalidArgument(format!(
+                "chunk {chunk} has {} bytes; cannot map {bytes} at offset {chunk_offset}",
+                c.len
+            )));
+        }
+        if self.backing == SimBacking::Memory {
+            // SAFETY: [va, va+bytes) lies inside a PROT_NONE reservation we own
+            // and holds no other mapping (checked above), so MAP_FIXED replaces
+            // only our own reservation pages; the file range is inside the memfd.
+            let p = unsafe {
+                libc::mmap(
+                    va as *mut libc::c_void,
+                    bytes as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    self.fd(),
+                    (c.file_offset + chunk_offset) as libc::off_t,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(os_err("cuMemMap(mmap)"));
+            }
+        }
+        self.chunks.get_mut(&chunk).expect("checked above").maps += 1;
+        self.mapped.insert(
+            va,
+            Mapped {
+                len: bytes,
+                backing: Backing::Chunk { chunk },
+            },
+        );
+        Ok(())
+    }
+
+    fn overlaps_mapping(&self, va: u64, len: u64) -> bool {
+        if let Some((&s, m)) = self.mapped.range(..=va).next_back() {
+            if s + m.len > va {
+                return true;
+            }
+        }
+        self.mapped.range(va..va + len).next().is_some()
+    }
+
+    /// Unmaps whole mappings exactly covering `[va, va+bytes)`.
+    pub(super) fn unmap(&mut self, va: u64, bytes: u64) -> Result<()> {
+        let mut cursor = va;
+        let mut parts = Vec::new();
+        while cursor < va + bytes {
+            match self.mapped.get(&cursor) {
+                Some(m) if matches!(m.backing, Backing::Chunk { .. }) => {
+                    parts.push(cursor);
+                    cursor += m.len;
+                }
+                _ => {
+                    return Err(Error::InvalidArgument(format!(
+                        "[{va:#x}, +{bytes}) is not a whole set of mappings (gap or split at {cursor:#x})"
+                    )))
+                }
+            }
+        }
+        if cursor != va + bytes {
+            return Err(Error::InvalidArgument(format!(
+                "unmap of [{va:#x}, +{bytes}) would split a mapping"
+            )));
+        }
+        if self.backing == SimBacking::Memory {
+            // SAFETY: the range is exactly a set of our own mappings inside a
+            // reservation; replacing it with PROT_NONE restores the reservation.
+            let p = unsafe {
+                libc::mmap(
+                    va as *mut libc::c_void,
+                    bytes as usize,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(os_err("cuMemUnmap(mmap)"));
+            }
+        }
+        for start in parts {
+            let m = self.mapped.remove(&start).expect("collected above");
+            if let Backing::Chunk { chunk } = m.backing {
+                let c = self.chunks.get_mut(&chunk).expect("mapped chunk exists");
+                c.maps -= 1;
+                if c.maps == 0 && c.released {
+                    self.drop_chunk(chunk);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn check_access(&self, va: u64, bytes: u64) -> Result<()> {
+        if self.mapped_covers(va, bytes) {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "[{va:#x}, +{bytes}) is not mapped on device {} (illegal address)",
+                self.device
+            )))
+        }
+    }
+
+    /// Whether `[va, va+len)` is fully covered by adjacent mapped ranges.
+    pub(super) fn mapped_covers(&self, va: u64, len: u64) -> bool {
+        let mut cursor = va;
+        let end = va + len;
+        let Some((&s, m)) = self.mapped.range(..=va).next_back() else {
+            return false;
+        };
+        if s + m.len <= va {
+            return false;
+        }
+        cursor = cursor.max(s + m.len);
+        while cursor < end {
+            match self.mapped.get(&cursor) {
+                Some(m) => cursor += m.len,
+                None => return false,
+            }
+        }
+        true
+    }
+
+    pub(super) fn alloc_segment(&mut self, bytes: u64) -> Result<u64> {
+        if bytes == 0 {
+            return Err(Error::InvalidSize {
+                size: 0,
+                why: "cuMemAlloc of zero bytes",
+            });
+        }
+        let raw_len = round_up(bytes, PAGE);
+        let file_offset = self.take_file_range(raw_len)?;
+        let va = match self.backing {
+            SimBacking::Accounting => {
+                let va = round_up(self.next_fake_va, PAGE);
+                self.next_fake_va = va + raw_len + PAGE;
+                va
+            }
+            SimBacking::Memory => {
+                // SAFETY: a fresh shared mapping of our memfd at an address the
+                // kernel picks; the file range is ours alone.
+                let p = unsafe {
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        raw_len as usize,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_SHARED,
+                        self.fd(),
+                        file_offset as libc::off_t,
+                    )
+                };
+                if p == libc::MAP_FAILED {
+                    self.give_file_range(file_offset, raw_len);
+                    return Err(os_err("cuMemAlloc(mmap)"));
+                }
+                p as u64
+            }
+        };
+        self.used += raw_len;
+        self.mapped.insert(
+            va,
+            Mapped {
+                len: raw_len,
+                backing: Backing::Segment {
+                    file_offset,
+                    raw_len,
+                },
+            },
+        );
+        Ok(va)
+    }
+
+    pub(super) fn free_segment(&mut self, va: u64) -> Result<()> {
+        let Some(Mapped {
+            backing:
+                Backing::Segment {
+                    file_offset,
+                    raw_len,
+                },
+            ..
+        }) = self.mapped.get(&va).copied()
+        else {
+            return Err(Error::InvalidArgument(format!(
+                "{va:#x} is not a segment on device {}",
+                self.device
+            )));
+        };
+        self.mapped.remove(&va);
+        if self.backing == SimBacking::Memory {
+            // SAFETY: exactly the mapping alloc_segment created.
+            unsafe { libc::munmap(va as *mut libc::c_void, raw_len as usize) };
+        }
+        self.give_file_range(file_offset, raw_len);
+        self.used -= raw_len;
+        Ok(())
+    }
+
+    /// Whether memory is really backed (not accounting mode).
+    pub(super) fn is_backed(&self) -> bool {
+        self.backing == SimBacking::Memory
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        if self.backing != SimBacking::Memory {
+            return;
+        }
+        for (&va, m) in &self.mapped {
+            if let Backing::Segment { raw_len, .. } = m.backing {
+                // SAFETY: our own segment mapping; nothing uses it any more.
+                unsafe { libc::munmap(va as *mut libc::c_void, raw_len as usize) };
+            }
+        }
+        for r in self.reservations.values() {
+            // SAFETY: our own reservation (with whatever is mapped inside it);
+            // the device is being dropped, so no work can touch it.
+            unsafe { libc::munmap(r.raw_base as *mut libc::c_void, r.raw_len as usize) };
+        }
+    }
+}

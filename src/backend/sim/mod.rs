@@ -1,0 +1,724 @@
+//! The simulator backend: N devices whose memory is real host memory.
+//!
+//! It is the test bed for everything the CPU machines can check, so it keeps
+//! CUDA's semantics rather than approximating them:
+//!
+//! * **Memory** ([`memory`]): physical chunks live in a per-device memfd and
+//!   are mapped into `PROT_NONE` reservations with `mmap(MAP_FIXED)`, so the
+//!   same chunk mapped at two addresses shows the same bytes, and unmapped
+//!   addresses really are inaccessible.
+//! * **Streams** ([`stream`]): each stream is a FIFO run by its own thread,
+//!   with a configurable delay per operation; events complete exactly when
+//!   the work before them on their stream has run; waiting on an event
+//!   blocks only the waiting stream.
+//! * **Kernels**: [`SimBackend::launch_write_pattern`] and
+//!   [`SimBackend::launch_verify_pattern`] write and check byte patterns after
+//!   a delay, so a block handed out before its last use finished shows up as
+//!   corrupted bytes.
+//! * **Faults**: fail the n-th physical allocation, cap the capacity, delay or
+//!   fail event operations, stall a stream ([`SimBackend`]'s `fail_*`/`set_*`
+//!   methods).
+//! * **Counters**: every driver-level call and every host-blocking sync.
+//!
+//! Limits of the model: no caches or memory consistency beyond program
+//! order per stream, no timing fidelity (delays are wall-clock sleeps), the
+//! legacy default stream does not implicitly synchronize with other streams
+//! (gpupool only uses non-blocking streams), and kernels from racing streams
+//! race on host memory as they would on a device.
+
+mod memory;
+mod stream;
+
+pub use stream::{count_mismatches, fill_pattern, pattern_byte, KernelOp, VerifyResult};
+
+use super::{Backend, BackendCounters, Call, CallCounters, DeviceInfo, Move};
+use crate::error::{Error, Result};
+use crate::ptr::{ChunkHandle, DevicePtr, EventHandle, StreamHandle};
+use memory::DeviceMemory;
+use parking_lot::{Mutex, RwLock};
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use stream::{Executor, Op, SimEvent, SimStream};
+
+/// How simulated device memory is backed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum SimBacking {
+    /// Real host memory (memfd + mmap); kernels and moves touch bytes.
+    Memory,
+    /// Byte counts only; addresses are not dereferenceable and work on memory
+    /// is skipped. For replaying traces larger than host memory.
+    Accounting,
+}
+
+/// Configuration of the simulator.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SimConfig {
+    /// Number of simulated devices.
+    pub devices: usize,
+    /// Memory of each device in bytes.
+    pub capacity_bytes: u64,
+    /// Physical allocation granularity in bytes (CUDA's is 2 MiB).
+    pub granularity: u64,
+    /// Whether devices report virtual memory management support; `false`
+    /// makes the pool use its plain-segment fallback.
+    pub vmm: bool,
+    /// Delay before every stream operation runs.
+    pub op_delay: Duration,
+    /// How memory is backed.
+    pub backing: SimBacking,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            devices: 1,
+            capacity_bytes: 8 << 30,
+            granularity: 2 << 20,
+            vmm: true,
+            op_delay: Duration::ZERO,
+            backing: SimBacking::Memory,
+        }
+    }
+}
+
+/// Fault-injection and delay knobs of one device, all lock-free.
+#[derive(Debug)]
+struct Faults {
+    /// Physical allocations (chunks and segments) attempted so far.
+    physical_calls: AtomicU64,
+    /// Fail the physical allocation whose 1-based count equals this (0: off).
+    fail_physical_at: AtomicU64,
+    /// Capacity cap below the configured capacity (`u64::MAX`: none).
+    capacity_cap: AtomicU64,
+    event_delay_ns: AtomicU64,
+    op_delay_ns: AtomicU64,
+    /// The next N event record/query calls fail.
+    failing_event_ops: AtomicU64,
+}
+
+/// One simulated device.
+#[derive(Debug)]
+struct SimDevice {
+    info: DeviceInfo,
+    mem: RwLock<DeviceMemory>,
+    faults: Faults,
+    integrity_errors: AtomicU64,
+    device_faults: AtomicU64,
+}
+
+/// State shared with the stream workers.
+#[derive(Debug)]
+struct Shared {
+    devices: Vec<SimDevice>,
+}
+
+/// The simulator backend. See the module docs for what it models.
+#[derive(Debug)]
+pub struct SimBackend {
+    cfg: SimConfig,
+    shared: Arc<Shared>,
+    /// Per-device default streams (`StreamHandle(0)`).
+    default_streams: Vec<Arc<SimStream>>,
+    streams: RwLock<HashMap<u64, Arc<SimStream>>>,
+    events: RwLock<HashMap<u64, Arc<SimEvent>>>,
+    next_handle: AtomicU64,
+    counters: CallCounters,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl SimBackend {
+    /// Creates the simulated devices described by `cfg`.
+    pub fn new(cfg: SimConfig) -> Result<SimBackend> {
+        if cfg.devices == 0 {
+            return Err(Error::InvalidArgument(
+                "the simulator needs at least one device".into(),
+            ));
+        }
+        if !cfg.granularity.is_power_of_two() || cfg.granularity < 4096 {
+            return Err(Error::InvalidArgument(format!(
+                "granularity {} must be a power of two of at least 4096",
+                cfg.granularity
+            )));
+        }
+        let devices = (0..cfg.devices)
+            .map(|i| {
+                Ok(SimDevice {
+                    info: DeviceInfo {
+                        index: i,
+                        name: format!("gpupool-sim-{i}"),
+                        total_bytes: cfg.capacity_bytes,
+                        pci_bus_id: format!("0000:{:02x}:00.0", 0x10 + i),
+                        granularity: cfg.granularity,
+                        vmm_supported: cfg.vmm,
+                    },
+                    mem: RwLock::new(DeviceMemory::new(i, cfg.granularity, cfg.backing)?),
+                    faults: Faults {
+                        physical_calls: AtomicU64::new(0),
+                        fail_physical_at: AtomicU64::new(0),
+                        capacity_cap: AtomicU64::new(u64::MAX),
+                        event_delay_ns: AtomicU64::new(0),
+                        op_delay_ns: AtomicU64::new(cfg.op_delay.as_nanos() as u64),
+                        failing_event_ops: AtomicU64::new(0),
+                    },
+                    integrity_errors: AtomicU64::new(0),
+                    device_faults: AtomicU64::new(0),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut sim = SimBackend {
+            shared: Arc::new(Shared { devices }),
+            default_streams: Vec::new(),
+            streams: RwLock::new(HashMap::new()),
+            events: RwLock::new(HashMap::new()),
+            next_handle: AtomicU64::new(1),
+            counters: CallCounters::default(),
+            workers: Mutex::new(Vec::new()),
+            cfg,
+        };
+        sim.default_streams = (0..sim.cfg.devices)
+            .map(|d| sim.spawn_stream(d))
+            .collect::<Result<_>>()?;
+        Ok(sim)
+    }
+
+    /// The configuration this simulator was built with.
+    pub fn config(&self) -> &SimConfig {
+        &self.cfg
+    }
+
+    fn spawn_stream(&self, dev: usize) -> Result<Arc<SimStream>> {
+        let (tx, rx) = mpsc::channel();
+        let exec: Arc<dyn Executor> = self.shared.clone();
+        let h = std::thread::Builder::new()
+            .name(format!("sim-stream-{dev}"))
+            .spawn(move || stream::run_worker(dev, rx, exec))
+            .map_err(|e| Error::backend("cuStreamCreate", e.to_string()))?;
+        self.workers.lock().push(h);
+        Ok(Arc::new(SimStream::new(dev, tx)))
+    }
+
+    fn dev(&self, dev: usize) -> Result<&SimDevice> {
+        self.shared.devices.get(dev).ok_or(Error::InvalidDevice {
+            device: dev,
+            count: self.shared.devices.len(),
+        })
+    }
+
+    fn stream(&self, dev: usize, s: StreamHandle) -> Result<Arc<SimStream>> {
+        self.dev(dev)?;
+        if s.0 == 0 {
+            return Ok(self.default_streams[dev].clone());
+        }
+        match self.streams.read().get(&s.0) {
+            Some(st) if st.device == dev => Ok(st.clone()),
+            Some(st) => Err(Error::InvalidHandle(format!(
+                "stream {} belongs to device {}, not {dev}",
+                s.0, st.device
+            ))),
+            None => Err(Error::InvalidHandle(format!("unknown stream {}", s.0))),
+        }
+    }
+
+    fn event(&self, dev: usize, e: EventHandle) -> Result<Arc<SimEvent>> {
+        self.dev(dev)?;
+        match self.events.read().get(&e.0) {
+            Some(ev) if ev.device == dev => Ok(ev.clone()),
+            Some(ev) => Err(Error::InvalidHandle(format!(
+                "event {} belongs to device {}, not {dev}",
+                e.0, ev.device
+            ))),
+            None => Err(Error::InvalidHandle(format!("unknown event {}", e.0))),
+        }
+    }
+
+    /// Counts one physical allocation and applies the capacity and
+    /// fail-at-n faults.
+    fn admit_physical(&self, dev: usize, bytes: u64, used: u64) -> Result<()> {
+        let d = self.dev(dev)?;
+        let n = d.faults.physical_calls.fetch_add(1, Relaxed) + 1;
+        if d.faults.fail_physical_at.load(Relaxed) == n {
+            return Err(Error::InjectedFault(format!(
+                "physical allocation #{n} on device {dev} failed"
+            )));
+        }
+        let capacity = self
+            .cfg
+            .capacity_bytes
+            .min(d.faults.capacity_cap.load(Relaxed));
+        if used + bytes > capacity {
+            return Err(Error::DeviceOutOfMemory {
+                device: dev,
+                requested: bytes,
+                used,
+                capacity,
+            });
+        }
+        Ok(())
+    }
+
+    fn event_fault(&self, dev: usize) -> Result<()> {
+        let f = &self.dev(dev)?.faults.failing_event_ops;
+        let took = f
+            .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1))
+            .is_ok();
+        if took {
+            Err(Error::InjectedFault(format!(
+                "event operation on device {dev} failed"
+            )))
+        } else {
+            Ok(())
+        }
+    }
+
+    // ---- fault injection ---------------------------------------------------
+
+    /// Makes the `n`-th physical allocation (chunk or segment) on `dev`,
+    /// counted from now with 1 for the next one, fail with
+    /// [`Error::InjectedFault`]. `n = 0` turns the fault off.
+    pub fn fail_nth_physical(&self, dev: usize, n: u64) -> Result<()> {
+        let f = &self.dev(dev)?.faults;
+        let base = f.physical_calls.load(Relaxed);
+        f.fail_physical_at
+            .store(if n == 0 { 0 } else { base + n }, Relaxed);
+        Ok(())
+    }
+
+    /// Caps the memory of `dev` below its configured capacity (`None` lifts
+    /// the cap). Memory already held stays held.
+    pub fn set_capacity_limit(&self, dev: usize, cap: Option<u64>) -> Result<()> {
+        self.dev(dev)?
+            .faults
+            .capacity_cap
+            .store(cap.unwrap_or(u64::MAX), Relaxed);
+        Ok(())
+    }
+
+    /// Delays every event completion on `dev` by `d`.
+    pub fn set_event_delay(&self, dev: usize, d: Duration) -> Result<()> {
+        self.dev(dev)?
+            .faults
+            .event_delay_ns
+            .store(d.as_nanos() as u64, Relaxed);
+        Ok(())
+    }
+
+    /// Sets the delay before each stream operation on `dev`.
+    pub fn set_op_delay(&self, dev: usize, d: Duration) -> Result<()> {
+        self.dev(dev)?
+            .faults
+            .op_delay_ns
+            .store(d.as_nanos() as u64, Relaxed);
+        Ok(())
+    }
+
+    /// Makes the next `n` event record/query calls on `dev` fail.
+    pub fn fail_next_event_ops(&self, dev: usize, n: u64) -> Result<()> {
+        self.dev(dev)?.faults.failing_event_ops.store(n, Relaxed);
+        Ok(())
+    }
+
+    /// Stalls `stream`: its next operation waits `d` first.
+    pub fn stall_stream(&self, dev: usize, stream: StreamHandle, d: Duration) -> Result<()> {
+        self.stream(dev, stream)?.push(Op::Delay(d))
+    }
+
+    // ---- simulated kernels ---------------------------------------------------
+
+    /// Enqueues a simulated kernel on `[ptr, ptr+len)` that runs after `delay`.
+    pub fn launch_kernel(
+        &self,
+        dev: usize,
+        stream: StreamHandle,
+        ptr: DevicePtr,
+        len: u64,
+        delay: Duration,
+        op: KernelOp,
+    ) -> Result<()> {
+        self.stream(dev, stream)?.push(Op::Kernel {
+            ptr: ptr.0,
+            len,
+            delay,
+            op,
+        })
+    }
+
+    /// Enqueues a kernel that writes the pattern of `seed` after `delay`.
+    pub fn launch_write_pattern(
+        &self,
+        dev: usize,
+        stream: StreamHandle,
+        ptr: DevicePtr,
+        len: u64,
+        seed: u64,
+        delay: Duration,
+    ) -> Result<()> {
+        self.launch_kernel(
+            dev,
+            stream,
+            ptr,
+            len,
+            delay,
+            KernelOp::WritePattern { seed },
+        )
+    }
+
+    /// Enqueues a kernel that checks the pattern of `seed` after `delay`;
+    /// mismatches count as integrity errors of `dev` and in the result.
+    pub fn launch_verify_pattern(
+        &self,
+        dev: usize,
+        stream: StreamHandle,
+        ptr: DevicePtr,
+        len: u64,
+        seed: u64,
+        delay: Duration,
+    ) -> Result<Arc<VerifyResult>> {
+        let result = Arc::new(VerifyResult::default());
+        let op = KernelOp::VerifyPattern {
+            seed,
+            result: result.clone(),
+        };
+        self.launch_kernel(dev, stream, ptr, len, delay, op)?;
+        Ok(result)
+    }
+
+    /// Bytes that verify kernels found wrong on `dev` so far.
+    pub fn integrity_errors(&self, dev: usize) -> u64 {
+        self.dev(dev)
+            .map_or(0, |d| d.integrity_errors.load(Relaxed))
+    }
+
+    /// Accesses by simulated work outside mapped memory on `dev` (CUDA's
+    /// illegal-address faults).
+    pub fn device_faults(&self, dev: usize) -> u64 {
+        self.dev(dev).map_or(0, |d| d.device_faults.load(Relaxed))
+    }
+
+    /// Physical bytes held on `dev` (chunks and segments).
+    pub fn used_bytes(&self, dev: usize) -> u64 {
+        self.dev(dev).map_or(0, |d| d.mem.read().used)
+    }
+}
+
+impl Drop for SimBackend {
+    fn drop(&mut self) {
+        for s in &self.default_streams {
+            s.close();
+        }
+        for s in self.streams.read().values() {
+            s.close();
+        }
+        for h in self.workers.lock().drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Shared {
+    fn fault(&self, device: usize) {
+        self.devices[device].device_faults.fetch_add(1, Relaxed);
+        tracing::warn!(
+            device,
+            "simulated device fault: access outside mapped memory"
+        );
+    }
+}
+
+impl Executor for Shared {
+    fn run_moves(&self, device: usize, moves: &[Move]) {
+        let mem = self.devices[device].mem.read();
+        if !mem.is_backed() {
+            return;
+        }
+        for m in moves {
+            if mem.check_access(m.src.0, m.len).is_err()
+                || mem.check_access(m.dst.0, m.len).is_err()
+            {
+                self.fault(device);
+                continue;
+            }
+            // SAFETY: both ranges are mapped (checked under the memory lock,
+            // which map/unmap need exclusively); `copy` allows overlap.
+            unsafe { std::ptr::copy(m.src.0 as *const u8, m.dst.0 as *mut u8, m.len as usize) };
+        }
+    }
+
+    fn run_fill(&self, device: usize, ptr: u64, len: u64, value: u8) {
+        let mem = self.devices[device].mem.read();
+        if !mem.is_backed() {
+            return;
+        }
+        if mem.check_access(ptr, len).is_err() {
+            return self.fault(device);
+        }
+        // SAFETY: the range is mapped and stays mapped while we hold the lock.
+        unsafe { std::ptr::write_bytes(ptr as *mut u8, value, len as usize) };
+    }
+
+    fn run_kernel(&self, device: usize, ptr: u64, len: u64, op: &KernelOp) {
+        let mem = self.devices[device].mem.read();
+        if !mem.is_backed() {
+            if let KernelOp::VerifyPattern { result, .. } = op {
+                result.set(0);
+            }
+            return;
+        }
+        if mem.check_access(ptr, len).is_err() {
+            if let KernelOp::VerifyPattern { result, .. } = op {
+                result.set(len);
+            }
+            return self.fault(device);
+        }
+        // SAFETY: the range is mapped and stays mapped while we hold the
+        // lock. Other streams may touch it concurrently only if the pool
+        // broke stream order, which is what the verify kernel detects.
+        let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len as usize) };
+        match op {
+            KernelOp::WritePattern { seed } => fill_pattern(buf, *seed),
+            KernelOp::VerifyPattern { seed, result } => {
+                let bad = count_mismatches(buf, *seed);
+                self.devices[device]
+                    .integrity_errors
+                    .fetch_add(bad, Relaxed);
+                result.set(bad);
+            }
+        }
+    }
+
+    fn op_delay(&self, device: usize) -> Duration {
+        Duration::from_nanos(self.devices[device].faults.op_delay_ns.load(Relaxed))
+    }
+
+    fn event_delay(&self, device: usize) -> Duration {
+        Duration::from_nanos(self.devices[device].faults.event_delay_ns.load(Relaxed))
+    }
+}
+
+impl Backend for SimBackend {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn device_count(&self) -> usize {
+        self.shared.devices.len()
+    }
+
+    fn device_info(&self, dev: usize) -> Result<DeviceInfo> {
+        Ok(self.dev(dev)?.info.clone())
+    }
+
+    fn can_access_peer(&self, dev: usize, peer: usize) -> Result<bool> {
+        self.dev(dev)?;
+        self.dev(peer)?;
+        Ok(dev != peer)
+    }
+
+    fn create_chunk(&self, dev: usize, bytes: u64) -> Result<ChunkHandle> {
+        self.counters.count(Call::MemCreate);
+        if !self.dev(dev)?.info.vmm_supported {
+            return Err(Error::Unsupported(format!("device {dev} has no VMM")));
+        }
+        let mut mem = self.dev(dev)?.mem.write();
+        self.admit_physical(dev, bytes, mem.used)?;
+        mem.create_chunk(bytes).map(ChunkHandle)
+    }
+
+    fn release_chunk(&self, dev: usize, chunk: ChunkHandle) -> Result<()> {
+        self.counters.count(Call::MemRelease);
+        self.dev(dev)?.mem.write().release_chunk(chunk.0)
+    }
+
+    fn alloc_segment(&self, dev: usize, bytes: u64) -> Result<DevicePtr> {
+        self.counters.count(Call::MemAlloc);
+        let mut mem = self.dev(dev)?.mem.write();
+        self.admit_physical(dev, bytes, mem.used)?;
+        mem.alloc_segment(bytes).map(DevicePtr)
+    }
+
+    fn free_segment(&self, dev: usize, ptr: DevicePtr) -> Result<()> {
+        self.counters.count(Call::MemFree);
+        self.dev(dev)?.mem.write().free_segment(ptr.0)
+    }
+
+    fn reserve_va(&self, dev: usize, bytes: u64) -> Result<DevicePtr> {
+        self.counters.count(Call::AddressReserve);
+        self.dev(dev)?.mem.write().reserve_va(bytes).map(DevicePtr)
+    }
+
+    fn free_va(&self, dev: usize, base: DevicePtr, bytes: u64) -> Result<()> {
+        self.counters.count(Call::AddressFree);
+        self.dev(dev)?.mem.write().free_va(base.0, bytes)
+    }
+
+    fn map(
+        &self,
+        dev: usize,
+        va: DevicePtr,
+        bytes: u64,
+        chunk: ChunkHandle,
+        off: u64,
+    ) -> Result<()> {
+        self.counters.count(Call::Map);
+        self.counters.count(Call::SetAccess);
+        self.dev(dev)?.mem.write().map(va.0, bytes, chunk.0, off)
+    }
+
+    fn unmap(&self, dev: usize, va: DevicePtr, bytes: u64) -> Result<()> {
+        self.counters.count(Call::Unmap);
+        self.dev(dev)?.mem.write().unmap(va.0, bytes)
+    }
+
+    fn set_access(&self, dev: usize, va: DevicePtr, bytes: u64, peers: &[usize]) -> Result<()> {
+        self.counters.count(Call::SetAccess);
+        for &p in peers {
+            self.dev(p)?;
+        }
+        self.dev(dev)?.mem.read().check_access(va.0, bytes)
+    }
+
+    fn create_stream(&self, dev: usize) -> Result<StreamHandle> {
+        self.counters.count(Call::StreamCreate);
+        self.dev(dev)?;
+        let s = self.spawn_stream(dev)?;
+        let h = self.next_handle.fetch_add(1, Relaxed);
+        self.streams.write().insert(h, s);
+        Ok(StreamHandle(h))
+    }
+
+    fn destroy_stream(&self, dev: usize, stream: StreamHandle) -> Result<()> {
+        self.counters.count(Call::StreamDestroy);
+        if stream.0 == 0 {
+            return Err(Error::InvalidHandle(
+                "the default stream cannot be destroyed".into(),
+            ));
+        }
+        let s = self.stream(dev, stream)?;
+        self.streams.write().remove(&stream.0);
+        s.close();
+        Ok(())
+    }
+
+    fn create_event(&self, dev: usize) -> Result<EventHandle> {
+        self.counters.count(Call::EventCreate);
+        self.dev(dev)?;
+        let h = self.next_handle.fetch_add(1, Relaxed);
+        self.events.write().insert(h, Arc::new(SimEvent::new(dev)));
+        Ok(EventHandle(h))
+    }
+
+    fn destroy_event(&self, dev: usize, event: EventHandle) -> Result<()> {
+        self.counters.count(Call::EventDestroy);
+        self.event(dev, event)?;
+        self.events.write().remove(&event.0);
+        Ok(())
+    }
+
+    fn record_event(&self, dev: usize, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        self.counters.count(Call::EventRecord);
+        let ev = self.event(dev, event)?;
+        let st = self.stream(dev, stream)?;
+        self.event_fault(dev)?;
+        let seq = ev.begin_record();
+        st.push(Op::Complete(ev, seq))
+    }
+
+    fn query_event(&self, dev: usize, event: EventHandle) -> Result<bool> {
+        self.counters.count(Call::EventQuery);
+        let ev = self.event(dev, event)?;
+        self.event_fault(dev)?;
+        Ok(ev.is_complete())
+    }
+
+    fn sync_event(&self, dev: usize, event: EventHandle) -> Result<()> {
+        self.counters.count(Call::EventSynchronize);
+        self.counters.count_host_sync();
+        let ev = self.event(dev, event)?;
+        ev.wait_for(ev.current());
+        Ok(())
+    }
+
+    fn stream_wait_event(
+        &self,
+        dev: usize,
+        stream: StreamHandle,
+        event: EventHandle,
+    ) -> Result<()> {
+        self.counters.count(Call::StreamWaitEvent);
+        let ev = self.event(dev, event)?;
+        let st = self.stream(dev, stream)?;
+        let seq = ev.current();
+        st.push(Op::Wait(ev, seq))
+    }
+
+    fn sync_stream(&self, dev: usize, stream: StreamHandle) -> Result<()> {
+        self.counters.count(Call::StreamSynchronize);
+        self.counters.count_host_sync();
+        let st = self.stream(dev, stream)?;
+        let marker = Arc::new(SimEvent::new(dev));
+        let seq = marker.begin_record();
+        st.push(Op::Marker(marker.clone(), seq))?;
+        marker.wait_for(seq);
+        Ok(())
+    }
+
+    fn enqueue_moves(&self, dev: usize, stream: StreamHandle, moves: &[Move]) -> Result<()> {
+        self.counters.count(Call::LaunchMoves);
+        self.stream(dev, stream)?.push(Op::Moves(moves.to_vec()))
+    }
+
+    fn enqueue_fill(
+        &self,
+        dev: usize,
+        stream: StreamHandle,
+        ptr: DevicePtr,
+        bytes: u64,
+        value: u8,
+    ) -> Result<()> {
+        self.counters.count(Call::MemsetAsync);
+        self.stream(dev, stream)?.push(Op::Fill {
+            ptr: ptr.0,
+            len: bytes,
+            value,
+        })
+    }
+
+    fn copy_to_host(&self, dev: usize, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        self.counters.count(Call::MemcpyDtoH);
+        self.counters.count_host_sync();
+        let mem = self.dev(dev)?.mem.read();
+        mem.check_access(src.0, dst.len() as u64)?;
+        if mem.is_backed() {
+            // SAFETY: the source range is mapped and stays so under the lock;
+            // `dst` is a distinct host buffer.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.0 as *const u8, dst.as_mut_ptr(), dst.len())
+            };
+        }
+        Ok(())
+    }
+
+    fn copy_from_host(&self, dev: usize, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        self.counters.count(Call::MemcpyHtoD);
+        self.counters.count_host_sync();
+        let mem = self.dev(dev)?.mem.read();
+        mem.check_access(dst.0, src.len() as u64)?;
+        if mem.is_backed() {
+            // SAFETY: the destination range is mapped and stays so under the
+            // lock; `src` is a distinct host buffer.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.0 as *mut u8, src.len()) };
+        }
+        Ok(())
+    }
+
+    fn counters(&self) -> BackendCounters {
+        self.counters.snapshot()
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

@@ -1,0 +1,254 @@
+//! Simulated streams and events.
+//!
+//! Each stream is a FIFO of operations run by its own worker thread, so work
+//! really is asynchronous to the host: `record_event` returns at once and the
+//! event completes only when the worker reaches it. An event keeps two
+//! sequence numbers: `recorded` (bumped by each `record`) and `completed`
+//! (set by the worker). It is complete when `completed >= recorded`, which
+//! gives CUDA's rules: an event never recorded is complete, and re-recording
+//! replaces the earlier capture. A stream waiting on an event captures the
+//! `recorded` number at enqueue time and blocks only its own worker.
+
+use crate::backend::Move;
+use crate::error::{Error, Result};
+use parking_lot::{Condvar, Mutex};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// State of one event, shared by the host and the stream workers.
+#[derive(Debug, Default)]
+pub(crate) struct SimEvent {
+    pub(crate) device: usize,
+    state: Mutex<EventState>,
+    cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct EventState {
+    recorded: u64,
+    completed: u64,
+}
+
+impl SimEvent {
+    pub(crate) fn new(device: usize) -> Self {
+        SimEvent {
+            device,
+            ..Default::default()
+        }
+    }
+
+    /// Starts a new capture; returns its sequence number.
+    pub(crate) fn begin_record(&self) -> u64 {
+        let mut s = self.state.lock();
+        s.recorded += 1;
+        s.recorded
+    }
+
+    /// The capture a waiter must see complete.
+    pub(crate) fn current(&self) -> u64 {
+        self.state.lock().recorded
+    }
+
+    pub(crate) fn is_complete(&self) -> bool {
+        let s = self.state.lock();
+        s.completed >= s.recorded
+    }
+
+    fn complete(&self, seq: u64) {
+        let mut s = self.state.lock();
+        s.completed = s.completed.max(seq);
+        self.cv.notify_all();
+    }
+
+    /// Blocks until capture `seq` has completed.
+    pub(crate) fn wait_for(&self, seq: u64) {
+        let mut s = self.state.lock();
+        while s.completed < seq {
+            self.cv.wait(&mut s);
+        }
+    }
+}
+
+/// A simulated kernel over device memory.
+#[derive(Debug, Clone)]
+pub enum KernelOp {
+    /// Writes the pattern of `seed` over the range.
+    WritePattern {
+        /// Pattern seed.
+        seed: u64,
+    },
+    /// Checks the range holds the pattern of `seed`; a mismatch counts as an
+    /// integrity error on the device and in `result`.
+    VerifyPattern {
+        /// Pattern seed.
+        seed: u64,
+        /// Where the outcome is reported.
+        result: Arc<VerifyResult>,
+    },
+}
+
+/// Outcome of a verify kernel, readable by the host once it ran.
+#[derive(Debug, Default)]
+pub struct VerifyResult {
+    done: Mutex<Option<u64>>,
+    cv: Condvar,
+}
+
+impl VerifyResult {
+    pub(crate) fn set(&self, mismatched_bytes: u64) {
+        *self.done.lock() = Some(mismatched_bytes);
+        self.cv.notify_all();
+    }
+
+    /// Mismatched bytes, or `None` while the kernel has not run.
+    pub fn mismatches(&self) -> Option<u64> {
+        *self.done.lock()
+    }
+
+    /// Blocks until the kernel ran; returns mismatched bytes.
+    pub fn wait(&self) -> u64 {
+        let mut d = self.done.lock();
+        loop {
+            if let Some(v) = *d {
+                return v;
+            }
+            self.cv.wait(&mut d);
+        }
+    }
+}
+
+/// One queued operation.
+#[derive(Debug)]
+pub(crate) enum Op {
+    /// Sleep (a stalled stream, or a slow kernel).
+    Delay(Duration),
+    /// Mark an event capture complete, after an optional injected delay.
+    Complete(Arc<SimEvent>, u64),
+    /// Block this stream until an event capture completes.
+    Wait(Arc<SimEvent>, u64),
+    /// A batch of moves, run in order.
+    Moves(Vec<Move>),
+    /// A byte fill.
+    Fill { ptr: u64, len: u64, value: u8 },
+    /// A simulated kernel after a delay.
+    Kernel {
+        ptr: u64,
+        len: u64,
+        delay: Duration,
+        op: KernelOp,
+    },
+    /// Signals the host that everything before it ran.
+    Marker(Arc<SimEvent>, u64),
+}
+
+/// The host side of a stream: its queue.
+#[derive(Debug)]
+pub(crate) struct SimStream {
+    pub(crate) device: usize,
+    tx: Mutex<Option<mpsc::Sender<Op>>>,
+}
+
+impl SimStream {
+    pub(crate) fn new(device: usize, tx: mpsc::Sender<Op>) -> Self {
+        SimStream {
+            device,
+            tx: Mutex::new(Some(tx)),
+        }
+    }
+
+    pub(crate) fn push(&self, op: Op) -> Result<()> {
+        let tx = self.tx.lock();
+        match tx.as_ref() {
+            Some(tx) => tx
+                .send(op)
+                .map_err(|_| Error::InvalidHandle("stream worker is gone".into())),
+            None => Err(Error::InvalidHandle("stream was destroyed".into())),
+        }
+    }
+
+    /// Closes the queue; the worker drains what is queued and exits.
+    pub(crate) fn close(&self) {
+        self.tx.lock().take();
+    }
+}
+
+/// What a worker needs to run operations on device memory.
+pub(crate) trait Executor: Send + Sync + 'static {
+    fn run_moves(&self, device: usize, moves: &[Move]);
+    fn run_fill(&self, device: usize, ptr: u64, len: u64, value: u8);
+    fn run_kernel(&self, device: usize, ptr: u64, len: u64, op: &KernelOp);
+    fn op_delay(&self, device: usize) -> Duration;
+    fn event_delay(&self, device: usize) -> Duration;
+}
+
+/// The worker loop of one stream.
+pub(crate) fn run_worker(device: usize, rx: mpsc::Receiver<Op>, exec: Arc<dyn Executor>) {
+    while let Ok(op) = rx.recv() {
+        let d = exec.op_delay(device);
+        if !d.is_zero() {
+            std::thread::sleep(d);
+        }
+        match op {
+            Op::Delay(d) => std::thread::sleep(d),
+            Op::Complete(ev, seq) => {
+                let d = exec.event_delay(device);
+                if !d.is_zero() {
+                    std::thread::sleep(d);
+                }
+                ev.complete(seq);
+            }
+            Op::Wait(ev, seq) => ev.wait_for(seq),
+            Op::Moves(m) => exec.run_moves(device, &m),
+            Op::Fill { ptr, len, value } => exec.run_fill(device, ptr, len, value),
+            Op::Kernel {
+                ptr,
+                len,
+                delay,
+                op,
+            } => {
+                if !delay.is_zero() {
+                    std::thread::sleep(delay);
+                }
+                exec.run_kernel(device, ptr, len, &op);
+            }
+            Op::Marker(ev, seq) => ev.complete(seq),
+        }
+    }
+}
+
+/// The pattern word of `seed` at word `w` (splitmix64 of the pair), so
+/// blocks written with different seeds differ almost everywhere.
+#[inline]
+fn pattern_word(seed: u64, w: u64) -> u64 {
+    let mut z = seed ^ w.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The byte pattern of `seed` at offset `i` of a block.
+#[inline]
+pub fn pattern_byte(seed: u64, i: u64) -> u8 {
+    pattern_word(seed, i >> 3).to_le_bytes()[(i & 7) as usize]
+}
+
+/// Writes the pattern of `seed` into `buf` (offset 0 of the block).
+pub fn fill_pattern(buf: &mut [u8], seed: u64) {
+    for (w, chunk) in buf.chunks_mut(8).enumerate() {
+        let b = pattern_word(seed, w as u64).to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+}
+
+/// Counts bytes of `buf` that differ from the pattern of `seed`.
+pub fn count_mismatches(buf: &[u8], seed: u64) -> u64 {
+    let mut bad = 0;
+    for (w, chunk) in buf.chunks(8).enumerate() {
+        let b = pattern_word(seed, w as u64).to_le_bytes();
+        if chunk != &b[..chunk.len()] {
+            bad += chunk.iter().zip(b).filter(|(x, y)| **x != *y).count() as u64;
+        }
+    }
+    bad
+}
