@@ -12,6 +12,8 @@ pub mod backend;
 pub mod config;
 mod error;
 mod ptr;
+pub mod topology;
+pub mod trace;
 
 pub use backend::{Backend, DeviceInfo, Move};
 pub use config::{BackendKind, PoolConfig, SimConfig};

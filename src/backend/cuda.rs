@@ -861,3 +861,9 @@ mod tests {
         }
     }
 }
+
+/// Opens the CUDA backend as a trait object; [`Error::NoDriver`] where no
+/// driver or device exists.
+pub fn open() -> Result<std::sync::Arc<dyn crate::backend::Backend>> {
+    Ok(std::sync::Arc::new(CudaBackend::new()?))
+}

@@ -1,0 +1,1 @@
+//! Device topology (being written).
