@@ -11,6 +11,7 @@
 pub mod backend;
 pub mod config;
 mod error;
+pub mod pool;
 mod ptr;
 pub mod topology;
 pub mod trace;
@@ -18,4 +19,5 @@ pub mod trace;
 pub use backend::{Backend, DeviceInfo, Move};
 pub use config::{BackendKind, PoolConfig, SimConfig};
 pub use error::{Error, OomReport, Result};
+pub use pool::{Block, DevicePool, PoolStats, Stat, Stream};
 pub use ptr::{ChunkHandle, DevicePtr, EventHandle, StreamHandle};

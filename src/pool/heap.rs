@@ -1,0 +1,665 @@
+//! The large path: best fit over one virtual-address space per device, with
+//! physical memory mapped granule by granule (or plain segments where the
+//! device has no virtual memory management).
+//!
+//! Every address of the reservation is in exactly one range: allocated (a
+//! large block or a slab) or free. Free ranges carry a [`Tag`] saying who may
+//! reuse them without further ordering:
+//!
+//! * `Clean`: every earlier use has completed; any stream may take it.
+//! * `Dirty(s)`: freed on stream slot `s` with no other users; stream `s` may
+//!   take it at once (its later work is ordered after the free), others not.
+//! * `Pending(id)`: waits on the events of pending group `id`; it becomes
+//!   `Clean` when they complete, or is handed to a stream that waits on them.
+//!
+//! Adjacent free ranges with equal tags are always merged. Physical memory:
+//! a granule is mapped while any allocated range overlaps it (`users > 0`);
+//! when its users drop to zero it stays mapped ("idle") until its chunk is
+//! needed elsewhere or trimmed. Only idle granules lying wholly inside one
+//! `Clean` range are ever unmapped, so no pending work can touch an unmapped
+//! address. A chunk taken from an idle granule is remapped under any new
+//! range (stitching): a large request is served whenever enough physical
+//! memory is held, whatever the layout.
+
+use super::size_class::ALIGN;
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::ptr::{ChunkHandle, DevicePtr};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+/// Who may reuse a free range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum Tag {
+    /// Any stream.
+    Clean,
+    /// Stream slot `s` only, until flushed.
+    Dirty(u16),
+    /// Waits on pending group `id`.
+    Pending(u32),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct FreeRange {
+    len: u64,
+    tag: Tag,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Granule {
+    chunk: Option<ChunkHandle>,
+    /// Allocated ranges overlapping this granule.
+    users: u32,
+}
+
+#[derive(Debug)]
+enum Physical {
+    /// One reservation; chunks mapped per granule.
+    Vmm {
+        base: u64,
+        len: u64,
+        granules: Vec<Granule>,
+        /// Chunks held but unmapped.
+        spare: Vec<ChunkHandle>,
+        /// Mapped granules with no users.
+        idle: BTreeSet<u32>,
+    },
+    /// Plain segments (`cuMemAlloc`), base -> len; ranges never cross them.
+    Segments { segs: BTreeMap<u64, u64> },
+}
+
+/// Figures the audit and the stats read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct HeapFigures {
+    /// Physical bytes held.
+    pub reserved: u64,
+    /// Bytes of allocated ranges (large blocks and slabs).
+    pub allocated: u64,
+    /// Free bytes in mapped memory by tag kind.
+    pub free_clean: u64,
+    pub free_dirty: u64,
+    pub free_pending: u64,
+    /// Bytes of chunks held unmapped.
+    pub spare: u64,
+}
+
+/// The per-device large-path heap. Not thread safe by itself: the pool holds
+/// it under one mutex (per device, never shared across devices).
+#[derive(Debug)]
+pub(crate) struct Heap {
+    dev: usize,
+    backend: Arc<dyn Backend>,
+    gran: u64,
+    phys: Physical,
+    by_addr: BTreeMap<u64, FreeRange>,
+    by_tag: HashMap<Tag, BTreeSet<(u64, u64)>>,
+    /// Allocated ranges: addr -> len.
+    allocated: BTreeMap<u64, u64>,
+    reserved: u64,
+    allocated_bytes: u64,
+    next_pending: u32,
+    /// Device allocations made (chunks or segments).
+    pub device_allocs: u64,
+    /// Device frees made.
+    pub device_frees: u64,
+}
+
+fn align_up(v: u64, a: u64) -> u64 {
+    v.div_ceil(a) * a
+}
+
+/// A range the heap handed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Taken {
+    pub addr: u64,
+    /// The tag the range had: `Pending(id)` means the caller must order its
+    /// stream after group `id`'s events before use.
+    pub from: Tag,
+}
+
+impl Heap {
+    /// A heap over a fresh reservation of `va_bytes` (VMM) or over segments.
+    pub(crate) fn new(backend: Arc<dyn Backend>, dev: usize, va_bytes: u64) -> Result<Heap> {
+        let info = backend.device_info(dev)?;
+        let gran = info.granularity;
+        let mut heap = Heap {
+            dev,
+            gran,
+            phys: Physical::Segments { segs: BTreeMap::new() },
+            by_addr: BTreeMap::new(),
+            by_tag: HashMap::new(),
+            allocated: BTreeMap::new(),
+            reserved: 0,
+            allocated_bytes: 0,
+            next_pending: 0,
+            device_allocs: 0,
+            device_frees: 0,
+            backend,
+        };
+        if info.vmm_supported {
+            let len = align_up(va_bytes.max(gran), gran);
+            let base = heap.backend.reserve_va(dev, len)?.addr();
+            heap.phys = Physical::Vmm {
+                base,
+                len,
+                granules: vec![Granule::default(); (len / gran) as usize],
+                spare: Vec::new(),
+                idle: BTreeSet::new(),
+            };
+            heap.insert_free(base, len, Tag::Clean);
+        }
+        Ok(heap)
+    }
+
+    /// Granularity of physical memory.
+    pub(crate) fn granularity(&self) -> u64 {
+        self.gran
+    }
+
+    /// Base and length of the reservation (VMM mode).
+    pub(crate) fn reservation(&self) -> Option<(u64, u64)> {
+        match &self.phys {
+            Physical::Vmm { base, len, .. } => Some((*base, *len)),
+            Physical::Segments { .. } => None,
+        }
+    }
+
+    /// Physical bytes held.
+    pub(crate) fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
+    // ---- free-range bookkeeping ----------------------------------------------
+
+    fn index_insert(&mut self, addr: u64, r: FreeRange) {
+        self.by_addr.insert(addr, r);
+        self.by_tag.entry(r.tag).or_default().insert((r.len, addr));
+    }
+
+    fn index_remove(&mut self, addr: u64) -> FreeRange {
+        let r = self.by_addr.remove(&addr).expect("free range exists");
+        let set = self.by_tag.get_mut(&r.tag).expect("tag set exists");
+        set.remove(&(r.len, addr));
+        if set.is_empty() && r.tag != Tag::Clean {
+            self.by_tag.remove(&r.tag);
+        }
+        r
+    }
+
+    fn same_segment(&self, a: u64, b: u64) -> bool {
+        match &self.phys {
+            Physical::Vmm { .. } => true,
+            Physical::Segments { segs } => {
+                let seg_of = |x: u64| segs.range(..=x).next_back().map(|(s, _)| *s);
+                seg_of(a) == seg_of(b)
+            }
+        }
+    }
+
+    /// Inserts a free range and merges it with equal-tag neighbours.
+    fn insert_free(&mut self, mut addr: u64, mut len: u64, tag: Tag) {
+        if len == 0 {
+            return;
+        }
+        if let Some((&pa, &pr)) = self.by_addr.range(..addr).next_back() {
+            if pa + pr.len == addr && pr.tag == tag && self.same_segment(pa, addr) {
+                self.index_remove(pa);
+                addr = pa;
+                len += pr.len;
+            }
+        }
+        if let Some(&nr) = self.by_addr.get(&(addr + len)) {
+            if nr.tag == tag && self.same_segment(addr, addr + len) {
+                self.index_remove(addr + len);
+                len += nr.len;
+            }
+        }
+        self.index_insert(addr, FreeRange { len, tag });
+    }
+
+    /// Best fit for `len` bytes at `align` among ranges tagged `tag`:
+    /// `(range len, range addr)`.
+    fn best_in(&self, tag: Tag, len: u64, align: u64) -> Option<(u64, u64)> {
+        let set = self.by_tag.get(&tag)?;
+        let mut tried = 0;
+        for &(rlen, raddr) in set.range((len, 0)..) {
+            let start = align_up(raddr, align);
+            if start + len <= raddr + rlen {
+                return Some((rlen, raddr));
+            }
+            tried += 1;
+            if tried > 64 {
+                // Only aligned (slab) requests get here; a range that large
+                // always fits.
+                return set.range((len + align, 0)..).next().copied();
+            }
+        }
+        None
+    }
+
+    // ---- allocation --------------------------------------------------------------
+
+    /// Takes `len` bytes (a multiple of 256) aligned to `align` for a stream
+    /// in slot `slot`. With `pending_ok`, pending ranges may be taken too
+    /// (the caller then orders its stream after them). Grows physical memory
+    /// as needed; on failure nothing changes.
+    pub(crate) fn alloc(&mut self, len: u64, align: u64, slot: Option<u16>, pending_ok: bool) -> Result<Taken> {
+        debug_assert!(len % ALIGN == 0 && len > 0);
+        let mut best: Option<(u64, u64)> = self.best_in(Tag::Clean, len, align);
+        if let Some(s) = slot {
+            if let Some(d) = self.best_in(Tag::Dirty(s), len, align) {
+                if best.is_none_or(|b| d.0 <= b.0) {
+                    best = Some(d);
+                }
+            }
+        }
+        if best.is_none() && pending_ok {
+            let tags: Vec<Tag> = self.by_tag.keys().copied().filter(|t| matches!(t, Tag::Pending(_))).collect();
+            best = tags
+                .into_iter()
+                .filter_map(|t| self.best_in(t, len, align))
+                .min();
+        }
+        let (rlen, raddr) = match best {
+            Some(b) => b,
+            None => self.grow_segments(len, align)?,
+        };
+        let r = self.index_remove(raddr);
+        debug_assert_eq!(r.len, rlen);
+        let start = align_up(raddr, align);
+        if let Err(e) = self.back(start, len) {
+            self.insert_free(raddr, rlen, r.tag);
+            return Err(e);
+        }
+        self.insert_free(raddr, start - raddr, r.tag);
+        self.insert_free(start + len, raddr + rlen - start - len, r.tag);
+        self.allocated.insert(start, len);
+        self.allocated_bytes += len;
+        Ok(Taken { addr: start, from: r.tag })
+    }
+
+    /// In segment mode, adds a segment that fits `len` at `align`; in VMM
+    /// mode the reservation is exhausted.
+    fn grow_segments(&mut self, len: u64, align: u64) -> Result<(u64, u64)> {
+        let Physical::Segments { .. } = self.phys else {
+            return Err(Error::DeviceOutOfMemory {
+                device: self.dev,
+                requested: len,
+                used: self.reserved,
+                capacity: self.reserved,
+            });
+        };
+        // PyTorch's segment sizes: small requests share 20 MiB segments.
+        let want = if len < (10 << 20) { 20 << 20 } else { len };
+        let seg_len = align_up(want + if align > ALIGN { align } else { 0 }, self.gran);
+        let base = self.backend.alloc_segment(self.dev, seg_len)?.addr();
+        self.device_allocs += 1;
+        self.reserved += seg_len;
+        if let Physical::Segments { segs } = &mut self.phys {
+            segs.insert(base, seg_len);
+        }
+        self.index_insert(base, FreeRange { len: seg_len, tag: Tag::Clean });
+        Ok((seg_len, base))
+    }
+
+    /// Makes `[start, start+len)` backed: maps a chunk under every granule
+    /// that has none. On failure, undoes its own changes.
+    fn back(&mut self, start: u64, len: u64) -> Result<()> {
+        let Physical::Vmm { base, granules, idle, .. } = &mut self.phys else {
+            return Ok(());
+        };
+        let first = ((start - *base) / self.gran) as u32;
+        let last = ((start + len - 1 - *base) / self.gran) as u32;
+        let mut need = Vec::new();
+        for g in first..=last {
+            let gr = &mut granules[g as usize];
+            gr.users += 1;
+            if gr.users == 1 {
+                idle.remove(&g);
+            }
+            if gr.chunk.is_none() {
+                need.push(g);
+            }
+        }
+        for (i, &g) in need.iter().enumerate() {
+            if let Err(e) = self.map_granule(g) {
+                // Roll back: unmap what this call mapped, drop the users.
+                for &h in &need[..i] {
+                    self.unmap_granule_to_spare(h);
+                }
+                self.drop_users(first, last);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    fn drop_users(&mut self, first: u32, last: u32) {
+        let Physical::Vmm { granules, idle, .. } = &mut self.phys else { return };
+        for g in first..=last {
+            let gr = &mut granules[g as usize];
+            gr.users -= 1;
+            if gr.users == 0 && gr.chunk.is_some() {
+                idle.insert(g);
+            }
+        }
+    }
+
+    fn map_granule(&mut self, g: u32) -> Result<()> {
+        let chunk = match self.take_spare() {
+            Some(c) => c,
+            None => match self.steal_idle() {
+                Some(c) => c,
+                None => {
+                    let c = self.backend.create_chunk(self.dev, self.gran)?;
+                    self.device_allocs += 1;
+                    self.reserved += self.gran;
+                    c
+                }
+            },
+        };
+        let Physical::Vmm { base, granules, spare, .. } = &mut self.phys else { unreachable!() };
+        let va = *base + g as u64 * self.gran;
+        if let Err(e) = self.backend.map(self.dev, DevicePtr(va), self.gran, chunk, 0) {
+            spare.push(chunk);
+            return Err(e);
+        }
+        granules[g as usize].chunk = Some(chunk);
+        Ok(())
+    }
+
+    fn take_spare(&mut self) -> Option<ChunkHandle> {
+        match &mut self.phys {
+            Physical::Vmm { spare, .. } => spare.pop(),
+            Physical::Segments { .. } => None,
+        }
+    }
+
+    /// Whether granule `g` lies wholly inside one clean free range.
+    fn granule_is_clean(&self, g: u32) -> bool {
+        let Physical::Vmm { base, .. } = &self.phys else { return false };
+        let (gs, ge) = (*base + g as u64 * self.gran, *base + (g as u64 + 1) * self.gran);
+        matches!(self.by_addr.range(..=gs).next_back(),
+            Some((&a, r)) if r.tag == Tag::Clean && a + r.len >= ge)
+    }
+
+    /// Unmaps an idle, clean granule and returns its chunk (stitching).
+    fn steal_idle(&mut self) -> Option<ChunkHandle> {
+        let Physical::Vmm { idle, .. } = &self.phys else { return None };
+        let g = idle.iter().take(256).copied().find(|&g| self.granule_is_clean(g))?;
+        self.unmap_granule(g)
+    }
+
+    fn unmap_granule(&mut self, g: u32) -> Option<ChunkHandle> {
+        let Physical::Vmm { base, granules, idle, .. } = &mut self.phys else { return None };
+        let va = *base + g as u64 * self.gran;
+        let chunk = granules[g as usize].chunk?;
+        if let Err(e) = self.backend.unmap(self.dev, DevicePtr(va), self.gran) {
+            tracing::warn!(device = self.dev, "unmap of an idle granule failed: {e}");
+            return None;
+        }
+        granules[g as usize].chunk = None;
+        idle.remove(&g);
+        Some(chunk)
+    }
+
+    fn unmap_granule_to_spare(&mut self, g: u32) {
+        if let Some(c) = self.unmap_granule(g) {
+            if let Physical::Vmm { spare, .. } = &mut self.phys {
+                spare.push(c);
+            }
+        }
+    }
+
+    // ---- freeing and tags -----------------------------------------------------------
+
+    /// The length of the allocated range at `addr`, if any.
+    pub(crate) fn allocated_len(&self, addr: u64) -> Option<u64> {
+        self.allocated.get(&addr).copied()
+    }
+
+    /// Returns an allocated range with `tag`.
+    pub(crate) fn free(&mut self, addr: u64, tag: Tag) -> Result<u64> {
+        let len = self.allocated.remove(&addr).ok_or(Error::UnknownPointer { ptr: addr, device: self.dev })?;
+        self.allocated_bytes -= len;
+        self.insert_free(addr, len, tag);
+        if let Physical::Vmm { base, .. } = &self.phys {
+            let first = ((addr - *base) / self.gran) as u32;
+            let last = ((addr + len - 1 - *base) / self.gran) as u32;
+            self.drop_users(first, last);
+        }
+        Ok(len)
+    }
+
+    /// Retags every `Dirty(slot)` range as a new pending group; returns the
+    /// group id and its bytes, or `None` if the slot had nothing dirty.
+    pub(crate) fn flush_dirty(&mut self, slot: u16) -> Option<(u32, u64)> {
+        let set = self.by_tag.remove(&Tag::Dirty(slot))?;
+        let id = self.next_pending;
+        self.next_pending = self.next_pending.wrapping_add(1);
+        let mut bytes = 0;
+        for &(len, addr) in &set {
+            self.by_addr.get_mut(&addr).expect("indexed").tag = Tag::Pending(id);
+            bytes += len;
+        }
+        self.by_tag.insert(Tag::Pending(id), set);
+        Some((id, bytes))
+    }
+
+    /// A new, empty pending group id (for ranges freed with `record_stream`).
+    pub(crate) fn new_pending_group(&mut self) -> u32 {
+        let id = self.next_pending;
+        self.next_pending = self.next_pending.wrapping_add(1);
+        id
+    }
+
+    /// Marks every range of pending group `id` clean (its events completed).
+    pub(crate) fn complete_pending(&mut self, id: u32) {
+        let Some(set) = self.by_tag.remove(&Tag::Pending(id)) else { return };
+        for (_, addr) in set {
+            let r = self.by_addr.remove(&addr).expect("indexed");
+            self.insert_free(addr, r.len, Tag::Clean);
+        }
+    }
+
+    /// Bytes still free under pending group `id`.
+    pub(crate) fn pending_bytes(&self, id: u32) -> u64 {
+        self.by_tag.get(&Tag::Pending(id)).map_or(0, |s| s.iter().map(|r| r.0).sum())
+    }
+
+    // ---- giving memory back ------------------------------------------------------------
+
+    /// Releases every unmapped spare chunk, every idle clean granule and
+    /// (segment mode) every wholly free clean segment to the device. Returns
+    /// the bytes released.
+    pub(crate) fn release_cached(&mut self) -> u64 {
+        let before = self.reserved;
+        match &self.phys {
+            Physical::Vmm { idle, .. } => {
+                let idle: Vec<u32> = idle.iter().copied().collect();
+                for g in idle {
+                    if self.granule_is_clean(g) {
+                        self.unmap_granule_to_spare(g);
+                    }
+                }
+                let spare = match &mut self.phys {
+                    Physical::Vmm { spare, .. } => std::mem::take(spare),
+                    Physical::Segments { .. } => unreachable!(),
+                };
+                for c in spare {
+                    match self.backend.release_chunk(self.dev, c) {
+                        Ok(()) => {
+                            self.reserved -= self.gran;
+                            self.device_frees += 1;
+                        }
+                        Err(e) => tracing::warn!(device = self.dev, "cuMemRelease failed: {e}"),
+                    }
+                }
+            }
+            Physical::Segments { segs } => {
+                let free: Vec<(u64, u64)> = segs
+                    .iter()
+                    .filter(|(b, l)| matches!(self.by_addr.get(b), Some(r) if r.tag == Tag::Clean && r.len == **l))
+                    .map(|(b, l)| (*b, *l))
+                    .collect();
+                for (b, l) in free {
+                    if let Err(e) = self.backend.free_segment(self.dev, DevicePtr(b)) {
+                        tracing::warn!(device = self.dev, "cuMemFree failed: {e}");
+                        continue;
+                    }
+                    self.index_remove(b);
+                    if let Physical::Segments { segs } = &mut self.phys {
+                        segs.remove(&b);
+                    }
+                    self.reserved -= l;
+                    self.device_frees += 1;
+                }
+            }
+        }
+        before - self.reserved
+    }
+
+    /// The largest request that can be served without new device memory:
+    /// the largest non-pending free range, capped by the physical memory
+    /// that is free to back it.
+    pub(crate) fn largest_free(&self) -> u64 {
+        let f = self.figures();
+        let backable = f.free_clean + f.free_dirty + f.spare;
+        self.by_addr
+            .values()
+            .filter(|r| !matches!(r.tag, Tag::Pending(_)))
+            .map(|r| r.len)
+            .max()
+            .unwrap_or(0)
+            .min(backable)
+    }
+
+    // ---- audit -------------------------------------------------------------------------
+
+    /// Recomputes every figure from the structures (slow; for stats and tests).
+    pub(crate) fn figures(&self) -> HeapFigures {
+        let mut f = HeapFigures { reserved: self.reserved, allocated: self.allocated_bytes, ..Default::default() };
+        for (&addr, r) in &self.by_addr {
+            let mapped = self.mapped_bytes_in(addr, r.len);
+            match r.tag {
+                Tag::Clean => f.free_clean += mapped,
+                Tag::Dirty(_) => f.free_dirty += mapped,
+                Tag::Pending(_) => f.free_pending += mapped,
+            }
+        }
+        if let Physical::Vmm { spare, .. } = &self.phys {
+            f.spare = spare.len() as u64 * self.gran;
+        }
+        f
+    }
+
+    /// Bytes of `[addr, addr+len)` that lie in mapped granules.
+    fn mapped_bytes_in(&self, addr: u64, len: u64) -> u64 {
+        let Physical::Vmm { base, granules, .. } = &self.phys else { return len };
+        let mut total = 0;
+        let end = addr + len;
+        let mut g = (addr - base) / self.gran;
+        loop {
+            let gs = base + g * self.gran;
+            if gs >= end {
+                break;
+            }
+            if granules[g as usize].chunk.is_some() {
+                total += end.min(gs + self.gran) - addr.max(gs);
+            }
+            g += 1;
+        }
+        total
+    }
+
+    /// Checks the heap's structural invariants; returns a description of the
+    /// first violation.
+    pub(crate) fn check(&self) -> std::result::Result<(), String> {
+        // Free and allocated ranges do not overlap and merge rules hold.
+        let mut spans: Vec<(u64, u64, Option<Tag>)> = self.by_addr.iter().map(|(&a, r)| (a, r.len, Some(r.tag))).collect();
+        spans.extend(self.allocated.iter().map(|(&a, &l)| (a, l, None)));
+        spans.sort_unstable_by_key(|s| s.0);
+        for w in spans.windows(2) {
+            if w[0].0 + w[0].1 > w[1].0 {
+                return Err(format!("ranges overlap at {:#x} and {:#x}", w[0].0, w[1].0));
+            }
+            if w[0].0 + w[0].1 == w[1].0 && w[0].2.is_some() && w[0].2 == w[1].2 && self.same_segment(w[0].0, w[1].0) {
+                return Err(format!("equal-tag free ranges at {:#x} and {:#x} not merged", w[0].0, w[1].0));
+            }
+        }
+        let tagged: usize = self.by_tag.values().map(|s| s.len()).sum();
+        if tagged != self.by_addr.len() {
+            return Err(format!("tag index has {tagged} ranges, address index {}", self.by_addr.len()));
+        }
+        if self.allocated.values().sum::<u64>() != self.allocated_bytes {
+            return Err("allocated byte count drifted".into());
+        }
+        let f = self.figures();
+        let accounted = f.allocated + f.free_clean + f.free_dirty + f.free_pending + f.spare;
+        if accounted != f.reserved {
+            return Err(format!("reserved {} != allocated + free mapped + spare = {accounted}", f.reserved));
+        }
+        match &self.phys {
+            Physical::Vmm { base, len, granules, idle, .. } => {
+                if let (Some(first), Some(last)) = (spans.first(), spans.last()) {
+                    if first.0 != *base || last.0 + last.1 != base + len {
+                        return Err("ranges do not cover the reservation".into());
+                    }
+                }
+                let covered: u64 = spans.iter().map(|s| s.1).sum();
+                if covered != *len {
+                    return Err(format!("ranges cover {covered} of {len} bytes"));
+                }
+                for (a, l) in &self.allocated {
+                    let first = (a - base) / self.gran;
+                    let last = (a + l - 1 - base) / self.gran;
+                    if (first..=last).any(|g| granules[g as usize].chunk.is_none()) {
+                        return Err(format!("allocated range {a:#x} is not fully mapped"));
+                    }
+                }
+                for (g, gr) in granules.iter().enumerate() {
+                    let is_idle = gr.users == 0 && gr.chunk.is_some();
+                    if is_idle != idle.contains(&(g as u32)) {
+                        return Err(format!("idle set wrong for granule {g}"));
+                    }
+                }
+            }
+            Physical::Segments { segs } => {
+                let total: u64 = segs.values().sum();
+                if total != self.reserved {
+                    return Err("segment bytes != reserved".into());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every allocated range (for snapshots).
+    pub(crate) fn allocated_ranges(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.allocated.iter().map(|(&a, &l)| (a, l))
+    }
+
+    /// Gives everything back to the device (pool teardown). Allocated ranges
+    /// must be gone.
+    pub(crate) fn teardown(&mut self) {
+        let ranges: Vec<(u64, u64)> = self.allocated_ranges().collect();
+        for (a, _) in ranges {
+            let _ = self.free(a, Tag::Clean);
+        }
+        let pend: Vec<Tag> = self.by_tag.keys().copied().filter(|t| *t != Tag::Clean).collect();
+        for t in pend {
+            if let Some(set) = self.by_tag.remove(&t) {
+                for (_, addr) in set {
+                    let r = self.by_addr.remove(&addr).expect("indexed");
+                    self.insert_free(addr, r.len, Tag::Clean);
+                }
+            }
+        }
+        self.release_cached();
+        if let Physical::Vmm { base, len, .. } = self.phys {
+            if let Err(e) = self.backend.free_va(self.dev, DevicePtr(base), len) {
+                tracing::warn!(device = self.dev, "cuMemAddressFree failed: {e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,262 @@
+//! The small path: size-class slabs whose free slots live on lock-free stacks.
+//!
+//! A slab is one aligned range of `slab_bytes` (one 2 MiB granule by
+//! default) taken from the heap and cut into equal slots of one class. Each
+//! slot has a global index `slab_id * max_slots + slot`; its "next" link
+//! lives in the slab's host-side arrays, which are never freed while the
+//! pool lives (a retired slab id is reused by a later slab), so the stacks'
+//! stale-link reads always read valid memory.
+//!
+//! Every class keeps one `clean` stack (slots any stream may take) and one
+//! `dirty` stack per stream slot (slots freed on that stream, reusable at
+//! once by it alone). Every slot not held by a live block is on exactly one
+//! stack or in exactly one pending record; a slab whose slots are all on a
+//! clean stack holds no live data and can be retired.
+
+use super::size_class::{SizeClasses, ALIGN};
+use super::stack::{collect_chain, link_chain, IndexStack, Links, NIL};
+use super::sync::{AtomicU32, AtomicU64};
+use crossbeam_utils::CachePadded;
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+use std::sync::OnceLock;
+
+/// Host-side arrays of one slab.
+#[derive(Debug)]
+struct SlabArrays {
+    next: Box<[AtomicU32]>,
+    /// Requested bytes of raw allocations (for stats at raw free).
+    requested: Box<[AtomicU32]>,
+    /// Raw allocations live in this slab, one bit per slot.
+    raw_live: Box<[AtomicU64]>,
+}
+
+/// One slab's header.
+#[derive(Debug, Default)]
+pub(crate) struct Slab {
+    /// Device address; 0 while the id is unused.
+    base: AtomicU64,
+    class: AtomicU32,
+    nslots: AtomicU32,
+    arrays: OnceLock<SlabArrays>,
+}
+
+/// Per-class stacks.
+#[derive(Debug)]
+pub(crate) struct ClassStacks {
+    pub clean: CachePadded<IndexStack>,
+    pub dirty: Box<[CachePadded<IndexStack>]>,
+}
+
+/// All slabs and class stacks of one pool.
+#[derive(Debug)]
+pub(crate) struct Slabs {
+    pub classes: SizeClasses,
+    pub stacks: Box<[ClassStacks]>,
+    slabs: Box<[Slab]>,
+    /// Slab ids handed out so far (high-water mark).
+    used_ids: AtomicU32,
+    /// Bytes of each slab.
+    pub slab_bytes: u64,
+    /// Slots of a slab of the smallest class.
+    max_slots: u32,
+}
+
+/// A slot index decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SlotRef {
+    pub idx: u32,
+    pub class: usize,
+    pub addr: u64,
+}
+
+impl Links for Slabs {
+    #[inline]
+    fn link(&self, idx: u32) -> &AtomicU32 {
+        let (slab, slot) = (idx / self.max_slots, idx % self.max_slots);
+        &self.slabs[slab as usize].arrays.get().expect("slab arrays exist before its slots are linked").next
+            [slot as usize]
+    }
+}
+
+impl Slabs {
+    pub(crate) fn new(classes: SizeClasses, slab_bytes: u64, max_slabs: u32, stream_slots: usize) -> Slabs {
+        let stacks = (0..classes.len())
+            .map(|_| ClassStacks {
+                clean: CachePadded::new(IndexStack::new()),
+                dirty: (0..stream_slots).map(|_| CachePadded::new(IndexStack::new())).collect(),
+            })
+            .collect();
+        let max_slots = (slab_bytes / ALIGN) as u32;
+        let max_slabs = max_slabs.min(u32::MAX / max_slots - 1).max(1);
+        Slabs {
+            classes,
+            stacks,
+            slabs: (0..max_slabs).map(|_| Slab::default()).collect(),
+            used_ids: AtomicU32::new(0),
+            slab_bytes,
+            max_slots,
+        }
+    }
+
+    /// Decodes a slot index.
+    #[inline]
+    pub(crate) fn slot(&self, idx: u32) -> SlotRef {
+        let s = &self.slabs[(idx / self.max_slots) as usize];
+        let class = s.class.load(Relaxed) as usize;
+        let addr = s.base.load(Relaxed) + (idx % self.max_slots) as u64 * self.classes.size_of(class);
+        SlotRef { idx, class, addr }
+    }
+
+    /// Pops a slot of `class` for stream slot `stream` (its dirty stack
+    /// first, then the clean one).
+    #[inline]
+    pub(crate) fn pop(&self, class: usize, stream: Option<usize>) -> Option<u32> {
+        let st = &self.stacks[class];
+        if let Some(s) = stream {
+            if let Some(i) = st.dirty[s].pop(self) {
+                return Some(i);
+            }
+        }
+        st.clean.pop(self)
+    }
+
+    /// Pushes a freed slot on its stream's dirty stack.
+    #[inline]
+    pub(crate) fn push_dirty(&self, class: usize, stream: usize, idx: u32) {
+        self.stacks[class].dirty[stream].push(self, idx);
+    }
+
+    /// Pushes slots whose last uses completed on the clean stack.
+    pub(crate) fn push_clean(&self, class: usize, idxs: &[u32]) {
+        if let Some((f, l)) = link_chain(self, idxs) {
+            self.stacks[class].clean.push_chain(self, f, l);
+        }
+    }
+
+    /// Pushes slots on a stream's dirty stack in one go.
+    pub(crate) fn push_dirty_many(&self, class: usize, stream: usize, idxs: &[u32]) {
+        if let Some((f, l)) = link_chain(self, idxs) {
+            self.stacks[class].dirty[stream].push_chain(self, f, l);
+        }
+    }
+
+    /// Detaches every slot of a dirty stack.
+    pub(crate) fn take_dirty(&self, class: usize, stream: usize) -> Vec<u32> {
+        let mut v = Vec::new();
+        collect_chain(self, self.stacks[class].dirty[stream].take_all(), &mut v);
+        v
+    }
+
+    /// Detaches every slot of a clean stack.
+    pub(crate) fn take_clean(&self, class: usize) -> Vec<u32> {
+        let mut v = Vec::new();
+        collect_chain(self, self.stacks[class].clean.take_all(), &mut v);
+        v
+    }
+
+    /// Registers a new slab of `class` at `base`; returns its slot indices.
+    /// Called under the heap lock, so ids are handed out by one thread at a time.
+    pub(crate) fn install(&self, class: usize, base: u64, reuse_id: Option<u32>) -> Option<Vec<u32>> {
+        let id = match reuse_id {
+            Some(id) => id,
+            None => {
+                let id = self.used_ids.load(Relaxed);
+                if id as usize >= self.slabs.len() {
+                    return None;
+                }
+                self.used_ids.store(id + 1, Relaxed);
+                id
+            }
+        };
+        let slab = &self.slabs[id as usize];
+        let n = (self.slab_bytes / self.classes.size_of(class)) as u32;
+        let max = self.max_slots as usize;
+        slab.arrays.get_or_init(|| SlabArrays {
+            next: (0..max).map(|_| AtomicU32::new(NIL)).collect(),
+            requested: (0..max).map(|_| AtomicU32::new(0)).collect(),
+            raw_live: (0..max.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+        });
+        slab.class.store(class as u32, Relaxed);
+        slab.nslots.store(n, Relaxed);
+        // Release: whoever pops one of these slots (Acquire on the stack
+        // head) sees the class and base above.
+        slab.base.store(base, Release);
+        Some((0..n).map(|s| id * self.max_slots + s).collect())
+    }
+
+    /// Marks a slab id unused; its slots must be on no stack.
+    pub(crate) fn retire(&self, id: u32) {
+        self.slabs[id as usize].base.store(0, Release);
+    }
+
+    /// Slab id of a slot index.
+    #[inline]
+    pub(crate) fn slab_of(&self, idx: u32) -> u32 {
+        idx / self.max_slots
+    }
+
+    /// Base address, class and slot count of slab `id` (base 0: unused).
+    pub(crate) fn slab_info(&self, id: u32) -> (u64, usize, u32) {
+        let s = &self.slabs[id as usize];
+        (s.base.load(Acquire), s.class.load(Relaxed) as usize, s.nslots.load(Relaxed))
+    }
+
+    /// Slab ids handed out so far.
+    pub(crate) fn ids_in_use(&self) -> u32 {
+        self.used_ids.load(Relaxed)
+    }
+
+    /// Bytes at the end of a slab of `class` that no slot covers.
+    pub(crate) fn tail_bytes(&self, class: usize) -> u64 {
+        self.slab_bytes % self.classes.size_of(class)
+    }
+
+    /// The slot index of address `addr` in slab `id`, if it is a slot start.
+    pub(crate) fn slot_at(&self, id: u32, addr: u64) -> Option<SlotRef> {
+        let (base, class, n) = self.slab_info(id);
+        if base == 0 || addr < base {
+            return None;
+        }
+        let size = self.classes.size_of(class);
+        let off = addr - base;
+        if off % size != 0 || off / size >= n as u64 {
+            return None;
+        }
+        let idx = id * self.max_slots + (off / size) as u32;
+        Some(SlotRef { idx, class, addr })
+    }
+
+    fn arrays(&self, idx: u32) -> (&SlabArrays, usize) {
+        let a = self.slabs[(idx / self.max_slots) as usize].arrays.get().expect("installed");
+        (a, (idx % self.max_slots) as usize)
+    }
+
+    /// Marks a raw allocation live, remembering its requested size.
+    pub(crate) fn mark_raw(&self, idx: u32, requested: u64) {
+        let (a, s) = self.arrays(idx);
+        a.requested[s].store(requested as u32, Relaxed);
+        a.raw_live[s / 64].fetch_or(1 << (s % 64), AcqRel);
+    }
+
+    /// Clears a raw allocation's live bit; `None` if it was not live (double
+    /// free, or a pointer the raw API did not hand out). Returns the
+    /// requested size.
+    pub(crate) fn unmark_raw(&self, idx: u32) -> Option<u64> {
+        let (a, s) = self.arrays(idx);
+        let bit = 1u64 << (s % 64);
+        let old = a.raw_live[s / 64].fetch_and(!bit, AcqRel);
+        (old & bit != 0).then(|| a.requested[s].load(Relaxed) as u64)
+    }
+
+    /// Requested size recorded for a raw allocation at this slot.
+    pub(crate) fn raw_requested(&self, idx: u32) -> u64 {
+        let (a, s) = self.arrays(idx);
+        a.requested[s].load(Relaxed) as u64
+    }
+
+    /// Whether a raw allocation is live at this slot.
+    pub(crate) fn is_raw_live(&self, idx: u32) -> bool {
+        let (a, s) = self.arrays(idx);
+        a.raw_live[s / 64].load(Acquire) & (1 << (s % 64)) != 0
+    }
+}

@@ -1,0 +1,162 @@
+//! Pool statistics, with the names PyTorch users know.
+//!
+//! Hot-path counters are sharded by stream slot (one cache line each), so
+//! threads driving different streams never write the same line. Totals are
+//! sums over shards; peaks of the byte figures are sampled whenever a shard
+//! reaches a new high of its own and on every slow path, which makes them
+//! exact for single-stream workloads and a lower bound otherwise.
+
+use crossbeam_utils::CachePadded;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+
+/// A current value and its peak.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Stat {
+    /// Value now.
+    pub current: u64,
+    /// Highest value seen.
+    pub peak: u64,
+}
+
+/// A snapshot of one pool's statistics.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct PoolStats {
+    /// Device index.
+    pub device: usize,
+    /// Requested bytes of live blocks.
+    pub allocated_bytes: Stat,
+    /// Device memory held by the pool (physical chunks plus plain segments).
+    pub reserved_bytes: Stat,
+    /// Bytes of live blocks after rounding (slot or range sizes).
+    pub active_bytes: Stat,
+    /// Reserved bytes free for reuse now (free slots, free mapped ranges,
+    /// spare chunks).
+    pub cached_bytes: Stat,
+    /// Freed bytes waiting for their last use to complete.
+    pub pending_bytes: Stat,
+    /// Reserved bytes no block can use (slab tails).
+    pub overhead_bytes: u64,
+    /// Rounded bytes of free slots and ranges not usable now:
+    /// `active - allocated` (internal fragmentation).
+    pub inactive_split_bytes: u64,
+    /// Allocations served.
+    pub num_allocs: u64,
+    /// Frees taken.
+    pub num_frees: u64,
+    /// Physical allocations from the device (chunks or segments).
+    pub num_device_allocs: u64,
+    /// Physical frees to the device.
+    pub num_device_frees: u64,
+    /// Allocations that needed the reclaim path before succeeding or failing.
+    pub num_alloc_retries: u64,
+    /// Allocations that failed with out-of-memory.
+    pub num_ooms: u64,
+    /// Frees parked on the pending list (cross-stream uses).
+    pub num_pending_frees: u64,
+    /// Pending blocks handed to another stream with a stream-wait-event.
+    pub num_handovers: u64,
+    /// Host-blocking syncs made by the backend so far (all callers).
+    pub host_syncs: u64,
+    /// `(reserved - allocated) / reserved`, 0 when nothing is reserved.
+    pub fragmentation: f64,
+}
+
+/// One shard of hot counters.
+#[derive(Debug, Default)]
+pub(crate) struct Shard {
+    pub allocated: AtomicI64,
+    pub active: AtomicI64,
+    pub allocs: AtomicU64,
+    pub frees: AtomicU64,
+    /// This shard's own high-water mark of `active`.
+    high: AtomicI64,
+}
+
+/// All counters of one pool.
+#[derive(Debug)]
+pub(crate) struct Counters {
+    shards: Box<[CachePadded<Shard>]>,
+    pub peak_allocated: AtomicU64,
+    pub peak_active: AtomicU64,
+    pub peak_reserved: AtomicU64,
+    pub peak_cached: AtomicU64,
+    pub peak_pending: AtomicU64,
+    pub retries: AtomicU64,
+    pub ooms: AtomicU64,
+    pub pending_frees: AtomicU64,
+    pub handovers: AtomicU64,
+    /// Bytes of small slots on the pending list.
+    pub pending_slot_bytes: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn new(shards: usize) -> Counters {
+        Counters {
+            shards: (0..shards).map(|_| CachePadded::new(Shard::default())).collect(),
+            peak_allocated: AtomicU64::new(0),
+            peak_active: AtomicU64::new(0),
+            peak_reserved: AtomicU64::new(0),
+            peak_cached: AtomicU64::new(0),
+            peak_pending: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+            ooms: AtomicU64::new(0),
+            pending_frees: AtomicU64::new(0),
+            handovers: AtomicU64::new(0),
+            pending_slot_bytes: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts an allocation of `requested` bytes taking `rounded` bytes.
+    #[inline]
+    pub(crate) fn on_alloc(&self, shard: usize, requested: u64, rounded: u64) {
+        let s = &self.shards[shard];
+        s.allocs.fetch_add(1, Relaxed);
+        s.allocated.fetch_add(requested as i64, Relaxed);
+        let now = s.active.fetch_add(rounded as i64, Relaxed) + rounded as i64;
+        if now > s.high.load(Relaxed) {
+            s.high.store(now, Relaxed);
+            self.sample_peaks();
+        }
+    }
+
+    /// Counts a free.
+    #[inline]
+    pub(crate) fn on_free(&self, shard: usize, requested: u64, rounded: u64) {
+        let s = &self.shards[shard];
+        s.frees.fetch_add(1, Relaxed);
+        s.allocated.fetch_sub(requested as i64, Relaxed);
+        s.active.fetch_sub(rounded as i64, Relaxed);
+    }
+
+    /// Sums of (allocated, active, allocs, frees) over shards.
+    pub(crate) fn totals(&self) -> (u64, u64, u64, u64) {
+        let (mut al, mut ac, mut n, mut f) = (0i64, 0i64, 0u64, 0u64);
+        for s in self.shards.iter() {
+            al += s.allocated.load(Relaxed);
+            ac += s.active.load(Relaxed);
+            n += s.allocs.load(Relaxed);
+            f += s.frees.load(Relaxed);
+        }
+        (al.max(0) as u64, ac.max(0) as u64, n, f)
+    }
+
+    /// Folds the current totals into the peaks.
+    pub(crate) fn sample_peaks(&self) {
+        let (al, ac, _, _) = self.totals();
+        self.peak_allocated.fetch_max(al, Relaxed);
+        self.peak_active.fetch_max(ac, Relaxed);
+    }
+
+    /// Resets every peak to the current value.
+    pub(crate) fn reset_peaks(&self, reserved: u64, cached: u64, pending: u64) {
+        let (al, ac, _, _) = self.totals();
+        self.peak_allocated.store(al, Relaxed);
+        self.peak_active.store(ac, Relaxed);
+        self.peak_reserved.store(reserved, Relaxed);
+        self.peak_cached.store(cached, Relaxed);
+        self.peak_pending.store(pending, Relaxed);
+        for s in self.shards.iter() {
+            s.high.store(s.active.load(Relaxed), Relaxed);
+        }
+    }
+}
