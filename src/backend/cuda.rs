@@ -789,6 +789,12 @@ impl Backend for CudaBackend {
     }
 }
 
+/// Opens the CUDA backend as a trait object; [`Error::NoDriver`] where no
+/// driver or device exists.
+pub fn open() -> Result<std::sync::Arc<dyn crate::backend::Backend>> {
+    Ok(std::sync::Arc::new(CudaBackend::new()?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -860,10 +866,4 @@ mod tests {
             }
         }
     }
-}
-
-/// Opens the CUDA backend as a trait object; [`Error::NoDriver`] where no
-/// driver or device exists.
-pub fn open() -> Result<std::sync::Arc<dyn crate::backend::Backend>> {
-    Ok(std::sync::Arc::new(CudaBackend::new()?))
 }

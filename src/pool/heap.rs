@@ -63,6 +63,9 @@ enum Physical {
         spare: Vec<ChunkHandle>,
         /// Mapped granules with no users.
         idle: BTreeSet<u32>,
+        /// Granules whose chunk was stolen while old uses may still run:
+        /// still mapped at the backend, excluded from every range.
+        quarantine: BTreeSet<u32>,
     },
     /// Plain segments (`cuMemAlloc`), base -> len; ranges never cross them.
     Segments { segs: BTreeMap<u64, u64> },
@@ -98,6 +101,8 @@ pub(crate) struct Heap {
     reserved: u64,
     allocated_bytes: u64,
     next_pending: u32,
+    /// Granules quarantined since the last `take_quarantine`.
+    fresh_quarantine: Vec<u32>,
     /// Device allocations made (chunks or segments).
     pub device_allocs: u64,
     /// Device frees made.
@@ -109,12 +114,31 @@ fn align_up(v: u64, a: u64) -> u64 {
 }
 
 /// A range the heap handed out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Taken {
     pub addr: u64,
-    /// The tag the range had: `Pending(id)` means the caller must order its
-    /// stream after group `id`'s events before use.
+    /// The tag the range had.
     pub from: Tag,
+    /// Pending groups whose events the caller's stream must wait on before
+    /// using the range (its own tag, or stolen granules).
+    pub waits: Vec<u32>,
+}
+
+/// Who is asking, for deciding which idle granules may be stolen.
+#[derive(Debug, Clone, Copy)]
+struct StealCtx {
+    slot: Option<u16>,
+    pending_ok: bool,
+}
+
+/// A chunk taken from an idle granule.
+#[derive(Debug)]
+struct Stolen {
+    g: u32,
+    chunk: ChunkHandle,
+    /// Free pieces carved out of the granule (empty for a clean steal).
+    pieces: Vec<(u64, u64, Tag)>,
+    waits: Vec<u32>,
 }
 
 impl Heap {
@@ -132,6 +156,7 @@ impl Heap {
             reserved: 0,
             allocated_bytes: 0,
             next_pending: 0,
+            fresh_quarantine: Vec::new(),
             device_allocs: 0,
             device_frees: 0,
             backend,
@@ -145,6 +170,7 @@ impl Heap {
                 granules: vec![Granule::default(); (len / gran) as usize],
                 spare: Vec::new(),
                 idle: BTreeSet::new(),
+                quarantine: BTreeSet::new(),
             };
             heap.insert_free(base, len, Tag::Clean);
         }
@@ -240,9 +266,11 @@ impl Heap {
     // ---- allocation --------------------------------------------------------------
 
     /// Takes `len` bytes (a multiple of 256) aligned to `align` for a stream
-    /// in slot `slot`. With `pending_ok`, pending ranges may be taken too
-    /// (the caller then orders its stream after them). Grows physical memory
-    /// as needed; on failure nothing changes.
+    /// in slot `slot`. With `pending_ok`, pending memory may be used too: the
+    /// caller must then order its stream after the groups in
+    /// [`Taken::waits`]. Grows physical memory as needed. On failure nothing
+    /// changes, except that granules in [`Heap::take_quarantine`] may have
+    /// been aliased (they need an event all the same).
     pub(crate) fn alloc(&mut self, len: u64, align: u64, slot: Option<u16>, pending_ok: bool) -> Result<Taken> {
         debug_assert!(len % ALIGN == 0 && len > 0);
         let mut best: Option<(u64, u64)> = self.best_in(Tag::Clean, len, align);
@@ -253,21 +281,35 @@ impl Heap {
                 }
             }
         }
-        if best.is_none() && pending_ok {
+        let mut candidates: Vec<(u64, u64)> = best.into_iter().collect();
+        if pending_ok {
             let tags: Vec<Tag> = self.by_tag.keys().copied().filter(|t| matches!(t, Tag::Pending(_))).collect();
-            best = tags
-                .into_iter()
-                .filter_map(|t| self.best_in(t, len, align))
-                .min();
+            if let Some(p) = tags.into_iter().filter_map(|t| self.best_in(t, len, align)).min() {
+                candidates.push(p);
+            }
         }
-        let (rlen, raddr) = match best {
-            Some(b) => b,
-            None => self.grow_segments(len, align)?,
-        };
+        if candidates.is_empty() {
+            candidates.push(self.grow_segments(len, align)?);
+        }
+        let ctx = StealCtx { slot, pending_ok };
+        let mut last = None;
+        for (rlen, raddr) in candidates {
+            match self.take(raddr, rlen, len, align, ctx) {
+                Ok(t) => return Ok(t),
+                Err(e) if e.is_oom() => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.expect("at least one candidate was tried"))
+    }
+
+    /// Takes `len` bytes at `align` out of free range `(raddr, rlen)`.
+    fn take(&mut self, raddr: u64, rlen: u64, len: u64, align: u64, ctx: StealCtx) -> Result<Taken> {
         let r = self.index_remove(raddr);
         debug_assert_eq!(r.len, rlen);
         let start = align_up(raddr, align);
-        if let Err(e) = self.back(start, len) {
+        let mut waits = Vec::new();
+        if let Err(e) = self.back(start, len, ctx, &mut waits) {
             self.insert_free(raddr, rlen, r.tag);
             return Err(e);
         }
@@ -275,9 +317,13 @@ impl Heap {
         self.insert_free(start + len, raddr + rlen - start - len, r.tag);
         self.allocated.insert(start, len);
         self.allocated_bytes += len;
-        Ok(Taken { addr: start, from: r.tag })
+        if let Tag::Pending(id) = r.tag {
+            waits.push(id);
+        }
+        waits.sort_unstable();
+        waits.dedup();
+        Ok(Taken { addr: start, from: r.tag, waits })
     }
-
     /// In segment mode, adds a segment that fits `len` at `align`; in VMM
     /// mode the reservation is exhausted.
     fn grow_segments(&mut self, len: u64, align: u64) -> Result<(u64, u64)> {
@@ -303,8 +349,10 @@ impl Heap {
     }
 
     /// Makes `[start, start+len)` backed: maps a chunk under every granule
-    /// that has none. On failure, undoes its own changes.
-    fn back(&mut self, start: u64, len: u64) -> Result<()> {
+    /// that has none. Chunks come from the spare list, from idle granules
+    /// (stolen), and only then from the device. All device allocations are
+    /// made before anything is stolen, so a shortfall fails cleanly.
+    fn back(&mut self, start: u64, len: u64, ctx: StealCtx, waits: &mut Vec<u32>) -> Result<()> {
         let Physical::Vmm { base, granules, idle, .. } = &mut self.phys else {
             return Ok(());
         };
@@ -321,17 +369,65 @@ impl Heap {
                 need.push(g);
             }
         }
-        for (i, &g) in need.iter().enumerate() {
-            if let Err(e) = self.map_granule(g) {
-                // Roll back: unmap what this call mapped, drop the users.
-                for &h in &need[..i] {
-                    self.unmap_granule_to_spare(h);
+        if need.is_empty() {
+            return Ok(());
+        }
+        let reusable = self.spare_len() + self.stealable(ctx, need.len());
+        let shortfall = need.len().saturating_sub(reusable);
+        let mut created = Vec::with_capacity(shortfall);
+        for _ in 0..shortfall {
+            match self.backend.create_chunk(self.dev, self.gran) {
+                Ok(c) => created.push(c),
+                Err(e) => {
+                    for c in created {
+                        let _ = self.backend.release_chunk(self.dev, c);
+                    }
+                    self.drop_users(first, last);
+                    return Err(e);
                 }
+            }
+        }
+        self.device_allocs += created.len() as u64;
+        self.reserved += created.len() as u64 * self.gran;
+        if let Physical::Vmm { spare, .. } = &mut self.phys {
+            spare.extend(created);
+        }
+        for &g in &need {
+            let (chunk, stolen) = match self.take_spare() {
+                Some(c) => (c, None),
+                None => {
+                    let st = self.steal(ctx).expect("counted as stealable above");
+                    (st.chunk, Some(st))
+                }
+            };
+            if let Err(e) = self.map_chunk_at(g, chunk) {
+                match stolen {
+                    Some(st) => self.unsteal(st),
+                    None => self.push_spare(chunk),
+                }
+                // Granules this call already backed stay mapped: they become
+                // idle below and are reused like any other.
                 self.drop_users(first, last);
                 return Err(e);
             }
+            if let Some(st) = stolen {
+                waits.extend(st.waits);
+            }
         }
         Ok(())
+    }
+
+    fn spare_len(&self) -> usize {
+        match &self.phys {
+            Physical::Vmm { spare, .. } => spare.len(),
+            Physical::Segments { .. } => 0,
+        }
+    }
+
+    fn push_spare(&mut self, c: ChunkHandle) {
+        if let Physical::Vmm { spare, .. } = &mut self.phys {
+            spare.push(c);
+        }
     }
 
     fn drop_users(&mut self, first: u32, last: u32) {
@@ -345,25 +441,10 @@ impl Heap {
         }
     }
 
-    fn map_granule(&mut self, g: u32) -> Result<()> {
-        let chunk = match self.take_spare() {
-            Some(c) => c,
-            None => match self.steal_idle() {
-                Some(c) => c,
-                None => {
-                    let c = self.backend.create_chunk(self.dev, self.gran)?;
-                    self.device_allocs += 1;
-                    self.reserved += self.gran;
-                    c
-                }
-            },
-        };
-        let Physical::Vmm { base, granules, spare, .. } = &mut self.phys else { unreachable!() };
+    fn map_chunk_at(&mut self, g: u32, chunk: ChunkHandle) -> Result<()> {
+        let Physical::Vmm { base, granules, .. } = &mut self.phys else { unreachable!("VMM only") };
         let va = *base + g as u64 * self.gran;
-        if let Err(e) = self.backend.map(self.dev, DevicePtr(va), self.gran, chunk, 0) {
-            spare.push(chunk);
-            return Err(e);
-        }
+        self.backend.map(self.dev, DevicePtr(va), self.gran, chunk, 0)?;
         granules[g as usize].chunk = Some(chunk);
         Ok(())
     }
@@ -375,21 +456,131 @@ impl Heap {
         }
     }
 
-    /// Whether granule `g` lies wholly inside one clean free range.
-    fn granule_is_clean(&self, g: u32) -> bool {
-        let Physical::Vmm { base, .. } = &self.phys else { return false };
+    /// The free ranges covering granule `g`: `(addr, len, tag)`, or `None`
+    /// if part of it is not free.
+    fn granule_cover(&self, g: u32) -> Option<Vec<(u64, u64, Tag)>> {
+        let Physical::Vmm { base, .. } = &self.phys else { return None };
         let (gs, ge) = (*base + g as u64 * self.gran, *base + (g as u64 + 1) * self.gran);
-        matches!(self.by_addr.range(..=gs).next_back(),
-            Some((&a, r)) if r.tag == Tag::Clean && a + r.len >= ge)
+        let mut out = Vec::new();
+        let (&a, r) = self.by_addr.range(..=gs).next_back()?;
+        if a + r.len <= gs {
+            return None;
+        }
+        out.push((a, r.len, r.tag));
+        let mut cursor = a + r.len;
+        while cursor < ge {
+            let r = self.by_addr.get(&cursor)?;
+            out.push((cursor, r.len, r.tag));
+            cursor += r.len;
+        }
+        Some(out)
     }
 
-    /// Unmaps an idle, clean granule and returns its chunk (stitching).
-    fn steal_idle(&mut self) -> Option<ChunkHandle> {
+    /// Whether granule `g` lies wholly inside clean free memory.
+    fn granule_is_clean(&self, g: u32) -> bool {
+        self.granule_cover(g).is_some_and(|c| c.iter().all(|p| p.2 == Tag::Clean))
+    }
+
+    /// How idle granule `g` can be stolen under `ctx`: `Some(true)` clean
+    /// (unmap now), `Some(false)` by aliasing (free for `ctx.slot` after
+    /// waiting), `None` not at all.
+    fn steal_kind(&self, g: u32, ctx: StealCtx) -> Option<bool> {
+        let cover = self.granule_cover(g)?;
+        if cover.iter().all(|p| p.2 == Tag::Clean) {
+            return Some(true);
+        }
+        let ok = cover.iter().all(|p| match p.2 {
+            Tag::Clean => true,
+            Tag::Dirty(s) => Some(s) == ctx.slot,
+            Tag::Pending(_) => ctx.pending_ok && ctx.slot.is_some(),
+        });
+        (ok && ctx.slot.is_some()).then_some(false)
+    }
+
+    /// Counts up to `want` idle granules stealable under `ctx`.
+    fn stealable(&self, ctx: StealCtx, want: usize) -> usize {
+        let Physical::Vmm { idle, .. } = &self.phys else { return 0 };
+        idle.iter().filter(|&&g| self.steal_kind(g, ctx).is_some()).take(want).count()
+    }
+
+    /// Takes the chunk of an idle granule for a new mapping (stitching).
+    ///
+    /// A clean granule is unmapped at once. A granule whose last uses may
+    /// still run (dirty on the requesting stream, or pending) keeps its old
+    /// mapping, so that work can finish; its address range is quarantined
+    /// until an event recorded on the requesting stream completes, then
+    /// unmapped ([`Heap::release_quarantine`]). The requesting stream's new
+    /// work is ordered after the old uses (same stream, or a wait on the
+    /// pending groups returned), so the aliased bytes are never used twice
+    /// at once.
+    fn steal(&mut self, ctx: StealCtx) -> Option<Stolen> {
         let Physical::Vmm { idle, .. } = &self.phys else { return None };
-        let g = idle.iter().take(256).copied().find(|&g| self.granule_is_clean(g))?;
-        self.unmap_granule(g)
+        let (g, clean) = idle.iter().find_map(|&g| self.steal_kind(g, ctx).map(|k| (g, k)))?;
+        if clean {
+            let chunk = self.unmap_granule(g)?;
+            return Some(Stolen { g, chunk, pieces: Vec::new(), waits: Vec::new() });
+        }
+        let cover = self.granule_cover(g).expect("checked by steal_kind");
+        let Physical::Vmm { base, granules, idle, quarantine, .. } = &mut self.phys else { unreachable!() };
+        let (gs, ge) = (*base + g as u64 * self.gran, *base + (g as u64 + 1) * self.gran);
+        let chunk = granules[g as usize].chunk.take().expect("idle granules are mapped");
+        idle.remove(&g);
+        quarantine.insert(g);
+        self.fresh_quarantine.push(g);
+        let mut waits = Vec::new();
+        let mut pieces = Vec::new();
+        for (a, l, tag) in cover {
+            self.index_remove(a);
+            if let Tag::Pending(id) = tag {
+                waits.push(id);
+            }
+            pieces.push((a.max(gs), (a + l).min(ge) - a.max(gs), tag));
+            self.insert_free(a, gs.saturating_sub(a), tag);
+            if a + l > ge {
+                self.insert_free(ge, a + l - ge, tag);
+            }
+        }
+        Some(Stolen { g, chunk, pieces, waits })
     }
 
+    /// Undoes a steal whose chunk could not be mapped.
+    fn unsteal(&mut self, st: Stolen) {
+        if st.pieces.is_empty() {
+            // A clean steal: the old mapping is gone; keep the chunk spare.
+            self.push_spare(st.chunk);
+            return;
+        }
+        let Physical::Vmm { granules, idle, quarantine, .. } = &mut self.phys else { return };
+        granules[st.g as usize].chunk = Some(st.chunk);
+        idle.insert(st.g);
+        quarantine.remove(&st.g);
+        self.fresh_quarantine.retain(|&g| g != st.g);
+        for (a, l, tag) in st.pieces {
+            self.insert_free(a, l, tag);
+        }
+    }
+
+    /// Granules aliased since the last call; the caller records one event
+    /// on the requesting stream and releases them when it completes.
+    pub(crate) fn take_quarantine(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.fresh_quarantine)
+    }
+
+    /// Unmaps quarantined granules whose old uses completed and frees their
+    /// addresses (clean, with no physical memory behind them).
+    pub(crate) fn release_quarantine(&mut self, gs: &[u32]) {
+        for &g in gs {
+            let Physical::Vmm { base, quarantine, .. } = &mut self.phys else { return };
+            let va = *base + g as u64 * self.gran;
+            quarantine.remove(&g);
+            if let Err(e) = self.backend.unmap(self.dev, DevicePtr(va), self.gran) {
+                tracing::error!(device = self.dev, "unmap of a quarantined granule failed: {e}");
+            }
+            self.insert_free(va, self.gran, Tag::Clean);
+        }
+    }
+
+    /// Unmaps an idle granule and returns its chunk.
     fn unmap_granule(&mut self, g: u32) -> Option<ChunkHandle> {
         let Physical::Vmm { base, granules, idle, .. } = &mut self.phys else { return None };
         let va = *base + g as u64 * self.gran;
@@ -405,9 +596,7 @@ impl Heap {
 
     fn unmap_granule_to_spare(&mut self, g: u32) {
         if let Some(c) = self.unmap_granule(g) {
-            if let Physical::Vmm { spare, .. } = &mut self.phys {
-                spare.push(c);
-            }
+            self.push_spare(c);
         }
     }
 
@@ -578,6 +767,9 @@ impl Heap {
         // Free and allocated ranges do not overlap and merge rules hold.
         let mut spans: Vec<(u64, u64, Option<Tag>)> = self.by_addr.iter().map(|(&a, r)| (a, r.len, Some(r.tag))).collect();
         spans.extend(self.allocated.iter().map(|(&a, &l)| (a, l, None)));
+        if let Physical::Vmm { base, quarantine, .. } = &self.phys {
+            spans.extend(quarantine.iter().map(|&g| (base + g as u64 * self.gran, self.gran, None)));
+        }
         spans.sort_unstable_by_key(|s| s.0);
         for w in spans.windows(2) {
             if w[0].0 + w[0].1 > w[1].0 {
@@ -642,6 +834,11 @@ impl Heap {
     /// Gives everything back to the device (pool teardown). Allocated ranges
     /// must be gone.
     pub(crate) fn teardown(&mut self) {
+        let q: Vec<u32> = match &self.phys {
+            Physical::Vmm { quarantine, .. } => quarantine.iter().copied().collect(),
+            Physical::Segments { .. } => Vec::new(),
+        };
+        self.release_quarantine(&q);
         let ranges: Vec<(u64, u64)> = self.allocated_ranges().collect();
         for (a, _) in ranges {
             let _ = self.free(a, Tag::Clean);
