@@ -21,5 +21,5 @@ pub use backend::{Backend, DeviceInfo, Move};
 pub use config::{BackendKind, PoolConfig, SimConfig};
 pub use error::{Error, OomReport, Result};
 pub use pool::{Block, DevicePool, PoolStats, Stat, Stream};
-pub use runtime::{Runtime, RuntimeBuilder};
 pub use ptr::{ChunkHandle, DevicePtr, EventHandle, StreamHandle};
+pub use runtime::{Runtime, RuntimeBuilder};

@@ -57,12 +57,19 @@ impl Runtime {
             .into_par_iter()
             .map(|d| DevicePool::new(backend.clone(), d, config.clone()))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Runtime { backend, config, pools })
+        Ok(Runtime {
+            backend,
+            config,
+            pools,
+        })
     }
 
     /// The pool of device `dev`.
     pub fn device(&self, dev: usize) -> Result<&DevicePool> {
-        self.pools.get(dev).ok_or(Error::InvalidDevice { device: dev, count: self.pools.len() })
+        self.pools.get(dev).ok_or(Error::InvalidDevice {
+            device: dev,
+            count: self.pools.len(),
+        })
     }
 
     /// All pools, by device index.
@@ -87,7 +94,10 @@ impl Runtime {
 
     /// Trims every pool in parallel; returns the bytes given back.
     pub fn trim(&self) -> Result<u64> {
-        self.pools.par_iter().map(|p| p.trim()).try_reduce(|| 0, |a, b| Ok(a + b))
+        self.pools
+            .par_iter()
+            .map(|p| p.trim())
+            .try_reduce(|| 0, |a, b| Ok(a + b))
     }
 
     /// Shuts every pool down: later calls fail with [`Error::Shutdown`].

@@ -19,8 +19,21 @@ pub struct Block<'a> {
 }
 
 impl<'a> Block<'a> {
-    pub(crate) fn new(pool: &'a DevicePool, stream: &'a Stream, ptr: DevicePtr, size: usize, kind: Kind) -> Self {
-        Block { pool, stream, ptr, size, kind, extra: Mutex::new(Vec::new()) }
+    pub(crate) fn new(
+        pool: &'a DevicePool,
+        stream: &'a Stream,
+        ptr: DevicePtr,
+        size: usize,
+        kind: Kind,
+    ) -> Self {
+        Block {
+            pool,
+            stream,
+            ptr,
+            size,
+            kind,
+            extra: Mutex::new(Vec::new()),
+        }
     }
 
     /// The device address (256-byte aligned).
@@ -45,7 +58,10 @@ impl<'a> Block<'a> {
     /// device is ignored with a warning (it cannot touch this memory).
     pub fn record_stream(&self, stream: &Stream) {
         if stream.device() != self.pool.device() {
-            tracing::warn!("record_stream with a stream of device {} ignored", stream.device());
+            tracing::warn!(
+                "record_stream with a stream of device {} ignored",
+                stream.device()
+            );
             return;
         }
         if stream.handle() == self.stream.handle() {
@@ -61,7 +77,9 @@ impl<'a> Block<'a> {
 impl Drop for Block<'_> {
     fn drop(&mut self) {
         let extra = std::mem::take(self.extra.get_mut());
-        self.pool.shared.free_block(self.ptr, self.kind, self.size as u64, self.stream, &extra);
+        self.pool
+            .shared
+            .free_block(self.ptr, self.kind, self.size as u64, self.stream, &extra);
     }
 }
 

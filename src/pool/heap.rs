@@ -122,6 +122,9 @@ pub(crate) struct Taken {
     /// Pending groups whose events the caller's stream must wait on before
     /// using the range (its own tag, or stolen granules).
     pub waits: Vec<u32>,
+    /// Whether the range is safe for the requesting stream only (it was
+    /// dirty on it, or aliases memory its old work may still touch).
+    pub exclusive: bool,
 }
 
 /// Who is asking, for deciding which idle granules may be stolen.
@@ -149,7 +152,9 @@ impl Heap {
         let mut heap = Heap {
             dev,
             gran,
-            phys: Physical::Segments { segs: BTreeMap::new() },
+            phys: Physical::Segments {
+                segs: BTreeMap::new(),
+            },
             by_addr: BTreeMap::new(),
             by_tag: HashMap::new(),
             allocated: BTreeMap::new(),
@@ -271,7 +276,13 @@ impl Heap {
     /// [`Taken::waits`]. Grows physical memory as needed. On failure nothing
     /// changes, except that granules in [`Heap::take_quarantine`] may have
     /// been aliased (they need an event all the same).
-    pub(crate) fn alloc(&mut self, len: u64, align: u64, slot: Option<u16>, pending_ok: bool) -> Result<Taken> {
+    pub(crate) fn alloc(
+        &mut self,
+        len: u64,
+        align: u64,
+        slot: Option<u16>,
+        pending_ok: bool,
+    ) -> Result<Taken> {
         debug_assert!(len % ALIGN == 0 && len > 0);
         let mut best: Option<(u64, u64)> = self.best_in(Tag::Clean, len, align);
         if let Some(s) = slot {
@@ -283,8 +294,17 @@ impl Heap {
         }
         let mut candidates: Vec<(u64, u64)> = best.into_iter().collect();
         if pending_ok {
-            let tags: Vec<Tag> = self.by_tag.keys().copied().filter(|t| matches!(t, Tag::Pending(_))).collect();
-            if let Some(p) = tags.into_iter().filter_map(|t| self.best_in(t, len, align)).min() {
+            let tags: Vec<Tag> = self
+                .by_tag
+                .keys()
+                .copied()
+                .filter(|t| matches!(t, Tag::Pending(_)))
+                .collect();
+            if let Some(p) = tags
+                .into_iter()
+                .filter_map(|t| self.best_in(t, len, align))
+                .min()
+            {
                 candidates.push(p);
             }
         }
@@ -304,17 +324,27 @@ impl Heap {
     }
 
     /// Takes `len` bytes at `align` out of free range `(raddr, rlen)`.
-    fn take(&mut self, raddr: u64, rlen: u64, len: u64, align: u64, ctx: StealCtx) -> Result<Taken> {
+    fn take(
+        &mut self,
+        raddr: u64,
+        rlen: u64,
+        len: u64,
+        align: u64,
+        ctx: StealCtx,
+    ) -> Result<Taken> {
         let r = self.index_remove(raddr);
         debug_assert_eq!(r.len, rlen);
         let start = align_up(raddr, align);
-        let mut waits = Vec::new();
-        if let Err(e) = self.back(start, len, ctx, &mut waits) {
-            self.insert_free(raddr, rlen, r.tag);
-            return Err(e);
-        }
+        // Put the unused head and tail back first, so that idle granules in
+        // them can be stolen to back the taken part.
         self.insert_free(raddr, start - raddr, r.tag);
         self.insert_free(start + len, raddr + rlen - start - len, r.tag);
+        let mut waits = Vec::new();
+        let aliased_before = self.fresh_quarantine.len();
+        if let Err(e) = self.back(start, len, ctx, &mut waits) {
+            self.insert_free(start, len, r.tag);
+            return Err(e);
+        }
         self.allocated.insert(start, len);
         self.allocated_bytes += len;
         if let Tag::Pending(id) = r.tag {
@@ -322,8 +352,15 @@ impl Heap {
         }
         waits.sort_unstable();
         waits.dedup();
-        Ok(Taken { addr: start, from: r.tag, waits })
+        let exclusive = r.tag != Tag::Clean || self.fresh_quarantine.len() > aliased_before;
+        Ok(Taken {
+            addr: start,
+            from: r.tag,
+            waits,
+            exclusive,
+        })
     }
+
     /// In segment mode, adds a segment that fits `len` at `align`; in VMM
     /// mode the reservation is exhausted.
     fn grow_segments(&mut self, len: u64, align: u64) -> Result<(u64, u64)> {
@@ -344,7 +381,13 @@ impl Heap {
         if let Physical::Segments { segs } = &mut self.phys {
             segs.insert(base, seg_len);
         }
-        self.index_insert(base, FreeRange { len: seg_len, tag: Tag::Clean });
+        self.index_insert(
+            base,
+            FreeRange {
+                len: seg_len,
+                tag: Tag::Clean,
+            },
+        );
         Ok((seg_len, base))
     }
 
@@ -353,7 +396,13 @@ impl Heap {
     /// (stolen), and only then from the device. All device allocations are
     /// made before anything is stolen, so a shortfall fails cleanly.
     fn back(&mut self, start: u64, len: u64, ctx: StealCtx, waits: &mut Vec<u32>) -> Result<()> {
-        let Physical::Vmm { base, granules, idle, .. } = &mut self.phys else {
+        let Physical::Vmm {
+            base,
+            granules,
+            idle,
+            ..
+        } = &mut self.phys
+        else {
             return Ok(());
         };
         let first = ((start - *base) / self.gran) as u32;
@@ -431,7 +480,9 @@ impl Heap {
     }
 
     fn drop_users(&mut self, first: u32, last: u32) {
-        let Physical::Vmm { granules, idle, .. } = &mut self.phys else { return };
+        let Physical::Vmm { granules, idle, .. } = &mut self.phys else {
+            return;
+        };
         for g in first..=last {
             let gr = &mut granules[g as usize];
             gr.users -= 1;
@@ -442,9 +493,12 @@ impl Heap {
     }
 
     fn map_chunk_at(&mut self, g: u32, chunk: ChunkHandle) -> Result<()> {
-        let Physical::Vmm { base, granules, .. } = &mut self.phys else { unreachable!("VMM only") };
+        let Physical::Vmm { base, granules, .. } = &mut self.phys else {
+            unreachable!("VMM only")
+        };
         let va = *base + g as u64 * self.gran;
-        self.backend.map(self.dev, DevicePtr(va), self.gran, chunk, 0)?;
+        self.backend
+            .map(self.dev, DevicePtr(va), self.gran, chunk, 0)?;
         granules[g as usize].chunk = Some(chunk);
         Ok(())
     }
@@ -459,8 +513,13 @@ impl Heap {
     /// The free ranges covering granule `g`: `(addr, len, tag)`, or `None`
     /// if part of it is not free.
     fn granule_cover(&self, g: u32) -> Option<Vec<(u64, u64, Tag)>> {
-        let Physical::Vmm { base, .. } = &self.phys else { return None };
-        let (gs, ge) = (*base + g as u64 * self.gran, *base + (g as u64 + 1) * self.gran);
+        let Physical::Vmm { base, .. } = &self.phys else {
+            return None;
+        };
+        let (gs, ge) = (
+            *base + g as u64 * self.gran,
+            *base + (g as u64 + 1) * self.gran,
+        );
         let mut out = Vec::new();
         let (&a, r) = self.by_addr.range(..=gs).next_back()?;
         if a + r.len <= gs {
@@ -478,7 +537,8 @@ impl Heap {
 
     /// Whether granule `g` lies wholly inside clean free memory.
     fn granule_is_clean(&self, g: u32) -> bool {
-        self.granule_cover(g).is_some_and(|c| c.iter().all(|p| p.2 == Tag::Clean))
+        self.granule_cover(g)
+            .is_some_and(|c| c.iter().all(|p| p.2 == Tag::Clean))
     }
 
     /// How idle granule `g` can be stolen under `ctx`: `Some(true)` clean
@@ -492,15 +552,20 @@ impl Heap {
         let ok = cover.iter().all(|p| match p.2 {
             Tag::Clean => true,
             Tag::Dirty(s) => Some(s) == ctx.slot,
-            Tag::Pending(_) => ctx.pending_ok && ctx.slot.is_some(),
+            Tag::Pending(_) => ctx.pending_ok,
         });
-        (ok && ctx.slot.is_some()).then_some(false)
+        ok.then_some(false)
     }
 
     /// Counts up to `want` idle granules stealable under `ctx`.
     fn stealable(&self, ctx: StealCtx, want: usize) -> usize {
-        let Physical::Vmm { idle, .. } = &self.phys else { return 0 };
-        idle.iter().filter(|&&g| self.steal_kind(g, ctx).is_some()).take(want).count()
+        let Physical::Vmm { idle, .. } = &self.phys else {
+            return 0;
+        };
+        idle.iter()
+            .filter(|&&g| self.steal_kind(g, ctx).is_some())
+            .take(want)
+            .count()
     }
 
     /// Takes the chunk of an idle granule for a new mapping (stitching).
@@ -514,16 +579,40 @@ impl Heap {
     /// pending groups returned), so the aliased bytes are never used twice
     /// at once.
     fn steal(&mut self, ctx: StealCtx) -> Option<Stolen> {
-        let Physical::Vmm { idle, .. } = &self.phys else { return None };
-        let (g, clean) = idle.iter().find_map(|&g| self.steal_kind(g, ctx).map(|k| (g, k)))?;
+        let Physical::Vmm { idle, .. } = &self.phys else {
+            return None;
+        };
+        let (g, clean) = idle
+            .iter()
+            .find_map(|&g| self.steal_kind(g, ctx).map(|k| (g, k)))?;
         if clean {
             let chunk = self.unmap_granule(g)?;
-            return Some(Stolen { g, chunk, pieces: Vec::new(), waits: Vec::new() });
+            return Some(Stolen {
+                g,
+                chunk,
+                pieces: Vec::new(),
+                waits: Vec::new(),
+            });
         }
         let cover = self.granule_cover(g).expect("checked by steal_kind");
-        let Physical::Vmm { base, granules, idle, quarantine, .. } = &mut self.phys else { unreachable!() };
-        let (gs, ge) = (*base + g as u64 * self.gran, *base + (g as u64 + 1) * self.gran);
-        let chunk = granules[g as usize].chunk.take().expect("idle granules are mapped");
+        let Physical::Vmm {
+            base,
+            granules,
+            idle,
+            quarantine,
+            ..
+        } = &mut self.phys
+        else {
+            unreachable!()
+        };
+        let (gs, ge) = (
+            *base + g as u64 * self.gran,
+            *base + (g as u64 + 1) * self.gran,
+        );
+        let chunk = granules[g as usize]
+            .chunk
+            .take()
+            .expect("idle granules are mapped");
         idle.remove(&g);
         quarantine.insert(g);
         self.fresh_quarantine.push(g);
@@ -540,7 +629,12 @@ impl Heap {
                 self.insert_free(ge, a + l - ge, tag);
             }
         }
-        Some(Stolen { g, chunk, pieces, waits })
+        Some(Stolen {
+            g,
+            chunk,
+            pieces,
+            waits,
+        })
     }
 
     /// Undoes a steal whose chunk could not be mapped.
@@ -550,7 +644,15 @@ impl Heap {
             self.push_spare(st.chunk);
             return;
         }
-        let Physical::Vmm { granules, idle, quarantine, .. } = &mut self.phys else { return };
+        let Physical::Vmm {
+            granules,
+            idle,
+            quarantine,
+            ..
+        } = &mut self.phys
+        else {
+            return;
+        };
         granules[st.g as usize].chunk = Some(st.chunk);
         idle.insert(st.g);
         quarantine.remove(&st.g);
@@ -570,11 +672,19 @@ impl Heap {
     /// addresses (clean, with no physical memory behind them).
     pub(crate) fn release_quarantine(&mut self, gs: &[u32]) {
         for &g in gs {
-            let Physical::Vmm { base, quarantine, .. } = &mut self.phys else { return };
+            let Physical::Vmm {
+                base, quarantine, ..
+            } = &mut self.phys
+            else {
+                return;
+            };
             let va = *base + g as u64 * self.gran;
             quarantine.remove(&g);
             if let Err(e) = self.backend.unmap(self.dev, DevicePtr(va), self.gran) {
-                tracing::error!(device = self.dev, "unmap of a quarantined granule failed: {e}");
+                tracing::error!(
+                    device = self.dev,
+                    "unmap of a quarantined granule failed: {e}"
+                );
             }
             self.insert_free(va, self.gran, Tag::Clean);
         }
@@ -582,7 +692,15 @@ impl Heap {
 
     /// Unmaps an idle granule and returns its chunk.
     fn unmap_granule(&mut self, g: u32) -> Option<ChunkHandle> {
-        let Physical::Vmm { base, granules, idle, .. } = &mut self.phys else { return None };
+        let Physical::Vmm {
+            base,
+            granules,
+            idle,
+            ..
+        } = &mut self.phys
+        else {
+            return None;
+        };
         let va = *base + g as u64 * self.gran;
         let chunk = granules[g as usize].chunk?;
         if let Err(e) = self.backend.unmap(self.dev, DevicePtr(va), self.gran) {
@@ -609,7 +727,10 @@ impl Heap {
 
     /// Returns an allocated range with `tag`.
     pub(crate) fn free(&mut self, addr: u64, tag: Tag) -> Result<u64> {
-        let len = self.allocated.remove(&addr).ok_or(Error::UnknownPointer { ptr: addr, device: self.dev })?;
+        let len = self.allocated.remove(&addr).ok_or(Error::UnknownPointer {
+            ptr: addr,
+            device: self.dev,
+        })?;
         self.allocated_bytes -= len;
         self.insert_free(addr, len, tag);
         if let Physical::Vmm { base, .. } = &self.phys {
@@ -644,7 +765,9 @@ impl Heap {
 
     /// Marks every range of pending group `id` clean (its events completed).
     pub(crate) fn complete_pending(&mut self, id: u32) {
-        let Some(set) = self.by_tag.remove(&Tag::Pending(id)) else { return };
+        let Some(set) = self.by_tag.remove(&Tag::Pending(id)) else {
+            return;
+        };
         for (_, addr) in set {
             let r = self.by_addr.remove(&addr).expect("indexed");
             self.insert_free(addr, r.len, Tag::Clean);
@@ -653,7 +776,9 @@ impl Heap {
 
     /// Bytes still free under pending group `id`.
     pub(crate) fn pending_bytes(&self, id: u32) -> u64 {
-        self.by_tag.get(&Tag::Pending(id)).map_or(0, |s| s.iter().map(|r| r.0).sum())
+        self.by_tag
+            .get(&Tag::Pending(id))
+            .map_or(0, |s| s.iter().map(|r| r.0).sum())
     }
 
     // ---- giving memory back ------------------------------------------------------------
@@ -727,7 +852,11 @@ impl Heap {
 
     /// Recomputes every figure from the structures (slow; for stats and tests).
     pub(crate) fn figures(&self) -> HeapFigures {
-        let mut f = HeapFigures { reserved: self.reserved, allocated: self.allocated_bytes, ..Default::default() };
+        let mut f = HeapFigures {
+            reserved: self.reserved,
+            allocated: self.allocated_bytes,
+            ..Default::default()
+        };
         for (&addr, r) in &self.by_addr {
             let mapped = self.mapped_bytes_in(addr, r.len);
             match r.tag {
@@ -744,7 +873,9 @@ impl Heap {
 
     /// Bytes of `[addr, addr+len)` that lie in mapped granules.
     fn mapped_bytes_in(&self, addr: u64, len: u64) -> u64 {
-        let Physical::Vmm { base, granules, .. } = &self.phys else { return len };
+        let Physical::Vmm { base, granules, .. } = &self.phys else {
+            return len;
+        };
         let mut total = 0;
         let end = addr + len;
         let mut g = (addr - base) / self.gran;
@@ -765,23 +896,44 @@ impl Heap {
     /// first violation.
     pub(crate) fn check(&self) -> std::result::Result<(), String> {
         // Free and allocated ranges do not overlap and merge rules hold.
-        let mut spans: Vec<(u64, u64, Option<Tag>)> = self.by_addr.iter().map(|(&a, r)| (a, r.len, Some(r.tag))).collect();
+        let mut spans: Vec<(u64, u64, Option<Tag>)> = self
+            .by_addr
+            .iter()
+            .map(|(&a, r)| (a, r.len, Some(r.tag)))
+            .collect();
         spans.extend(self.allocated.iter().map(|(&a, &l)| (a, l, None)));
-        if let Physical::Vmm { base, quarantine, .. } = &self.phys {
-            spans.extend(quarantine.iter().map(|&g| (base + g as u64 * self.gran, self.gran, None)));
+        if let Physical::Vmm {
+            base, quarantine, ..
+        } = &self.phys
+        {
+            spans.extend(
+                quarantine
+                    .iter()
+                    .map(|&g| (base + g as u64 * self.gran, self.gran, None)),
+            );
         }
         spans.sort_unstable_by_key(|s| s.0);
         for w in spans.windows(2) {
             if w[0].0 + w[0].1 > w[1].0 {
                 return Err(format!("ranges overlap at {:#x} and {:#x}", w[0].0, w[1].0));
             }
-            if w[0].0 + w[0].1 == w[1].0 && w[0].2.is_some() && w[0].2 == w[1].2 && self.same_segment(w[0].0, w[1].0) {
-                return Err(format!("equal-tag free ranges at {:#x} and {:#x} not merged", w[0].0, w[1].0));
+            if w[0].0 + w[0].1 == w[1].0
+                && w[0].2.is_some()
+                && w[0].2 == w[1].2
+                && self.same_segment(w[0].0, w[1].0)
+            {
+                return Err(format!(
+                    "equal-tag free ranges at {:#x} and {:#x} not merged",
+                    w[0].0, w[1].0
+                ));
             }
         }
         let tagged: usize = self.by_tag.values().map(|s| s.len()).sum();
         if tagged != self.by_addr.len() {
-            return Err(format!("tag index has {tagged} ranges, address index {}", self.by_addr.len()));
+            return Err(format!(
+                "tag index has {tagged} ranges, address index {}",
+                self.by_addr.len()
+            ));
         }
         if self.allocated.values().sum::<u64>() != self.allocated_bytes {
             return Err("allocated byte count drifted".into());
@@ -789,10 +941,19 @@ impl Heap {
         let f = self.figures();
         let accounted = f.allocated + f.free_clean + f.free_dirty + f.free_pending + f.spare;
         if accounted != f.reserved {
-            return Err(format!("reserved {} != allocated + free mapped + spare = {accounted}", f.reserved));
+            return Err(format!(
+                "reserved {} != allocated + free mapped + spare = {accounted}",
+                f.reserved
+            ));
         }
         match &self.phys {
-            Physical::Vmm { base, len, granules, idle, .. } => {
+            Physical::Vmm {
+                base,
+                len,
+                granules,
+                idle,
+                ..
+            } => {
                 if let (Some(first), Some(last)) = (spans.first(), spans.last()) {
                     if first.0 != *base || last.0 + last.1 != base + len {
                         return Err("ranges do not cover the reservation".into());
@@ -843,7 +1004,12 @@ impl Heap {
         for (a, _) in ranges {
             let _ = self.free(a, Tag::Clean);
         }
-        let pend: Vec<Tag> = self.by_tag.keys().copied().filter(|t| *t != Tag::Clean).collect();
+        let pend: Vec<Tag> = self
+            .by_tag
+            .keys()
+            .copied()
+            .filter(|t| *t != Tag::Clean)
+            .collect();
         for t in pend {
             if let Some(set) = self.by_tag.remove(&t) {
                 for (_, addr) in set {

@@ -63,6 +63,8 @@ struct HeapState {
     free_slab_ids: Vec<u32>,
     /// Requested bytes of raw large allocations, by address.
     raw_large: HashMap<u64, u64>,
+    /// Granules aliased by stitching, released when their event completes.
+    quarantine: Vec<(Waits, Vec<u32>)>,
     /// Bytes of all slabs, and of slab tails no slot covers.
     slab_bytes: u64,
     slab_tail_bytes: u64,
@@ -110,7 +112,11 @@ impl DevicePool {
         let slab_bytes = gran.max(2 << 20);
         let classes = SizeClasses::new(cfg.small_max.min(slab_bytes / 8));
         let max_slabs = (info.total_bytes / slab_bytes + 1).min(1 << 20) as u32;
-        let heap = Heap::new(backend.clone(), dev, info.total_bytes.saturating_mul(cfg.va_factor))?;
+        let heap = Heap::new(
+            backend.clone(),
+            dev,
+            info.total_bytes.saturating_mul(cfg.va_factor),
+        )?;
         let shared = Arc::new(PoolShared {
             dev,
             slabs: Slabs::new(classes, slab_bytes, max_slabs, STREAM_SLOTS),
@@ -119,6 +125,7 @@ impl DevicePool {
                 group_events: HashMap::new(),
                 free_slab_ids: Vec::new(),
                 raw_large: HashMap::new(),
+                quarantine: Vec::new(),
                 slab_bytes: 0,
                 slab_tail_bytes: 0,
             }),
@@ -134,7 +141,10 @@ impl DevicePool {
             info,
         });
         let default_stream = shared.stream_for(StreamHandle(0), false);
-        Ok(DevicePool { shared, default_stream })
+        Ok(DevicePool {
+            shared,
+            default_stream,
+        })
     }
 
     /// Device index.
@@ -228,7 +238,11 @@ impl DevicePool {
     /// Resets peaks to the current values.
     pub fn reset_peak_stats(&self) {
         let s = self.stats();
-        self.shared.counters.reset_peaks(s.reserved_bytes.current, s.cached_bytes.current, s.pending_bytes.current);
+        self.shared.counters.reset_peaks(
+            s.reserved_bytes.current,
+            s.cached_bytes.current,
+            s.pending_bytes.current,
+        );
     }
 
     /// Harvests completed pending frees without blocking; returns how many
@@ -299,10 +313,16 @@ impl PoolShared {
 
     fn check_size(&self, size: u64) -> Result<()> {
         if size == 0 {
-            return Err(Error::InvalidSize { size, why: "zero-byte allocation" });
+            return Err(Error::InvalidSize {
+                size,
+                why: "zero-byte allocation",
+            });
         }
         if size > self.info.total_bytes {
-            return Err(Error::InvalidSize { size, why: "larger than the device's memory" });
+            return Err(Error::InvalidSize {
+                size,
+                why: "larger than the device's memory",
+            });
         }
         Ok(())
     }
@@ -326,7 +346,14 @@ impl PoolShared {
                     None => self.alloc_small_slow(class, size, stream)?,
                 };
                 let s = self.slabs.slot(idx);
-                (DevicePtr(s.addr), Kind::Small { idx, class: class as u16 }, self.slabs.classes.size_of(class))
+                (
+                    DevicePtr(s.addr),
+                    Kind::Small {
+                        idx,
+                        class: class as u16,
+                    },
+                    self.slabs.classes.size_of(class),
+                )
             }
             None => {
                 let len = round_large(size);
@@ -354,7 +381,7 @@ impl PoolShared {
         // Reclaim: make other streams' free memory reusable, retire empty
         // slabs, then try again; hand pending slots over if allowed.
         self.counters.retries.fetch_add(1, Relaxed);
-        self.reclaim(stream.slot());
+        self.reclaim();
         if let Some(i) = self.slabs.pop(class, slot) {
             return Ok(i);
         }
@@ -381,7 +408,7 @@ impl PoolShared {
             return Ok(Some(i));
         }
         let sb = self.slabs.slab_bytes;
-        let taken = h.heap.alloc(sb, sb, slot, false)?;
+        let taken = self.heap_alloc(&mut h, sb, sb, stream, false)?;
         let reuse = h.free_slab_ids.pop();
         let Some(idxs) = self.slabs.install(class, taken.addr, reuse) else {
             h.heap.free(taken.addr, taken.from).expect("just allocated");
@@ -392,18 +419,21 @@ impl PoolShared {
         h.slab_tail_bytes += self.slabs.tail_bytes(class);
         self.slab_index.write().insert(taken.addr, id);
         let (first, rest) = idxs.split_first().expect("a slab has slots");
-        match (taken.from, slot) {
-            (Tag::Dirty(s), _) => self.slabs.push_dirty_many(class, s as usize, rest),
-            _ => self.slabs.push_clean(class, rest),
+        match slot {
+            _ if !taken.exclusive => self.slabs.push_clean(class, rest),
+            Some(s) => self.slabs.push_dirty_many(class, s as usize, rest),
+            // Only this stream may use the slab for now, and it has no
+            // dirty stacks: the other slots wait on an event like a free.
+            None if !rest.is_empty() => self.park_slots(class, rest.to_vec(), stream.handle(), &[]),
+            None => {}
         }
         Ok(Some(*first))
     }
 
     fn alloc_large(&self, len: u64, size: u64, stream: &Stream) -> Result<u64> {
-        let slot = stream.slot();
         {
             let mut h = self.heap.lock();
-            match h.heap.alloc(len, ALIGN, slot, false) {
+            match self.heap_alloc(&mut h, len, ALIGN, stream, false) {
                 Ok(t) => return Ok(t.addr),
                 Err(e) if !e.is_oom() => return Err(e),
                 Err(_) => {}
@@ -411,18 +441,10 @@ impl PoolShared {
         }
         self.counters.retries.fetch_add(1, Relaxed);
         self.harvest();
-        self.reclaim(slot);
+        self.reclaim();
         let mut h = self.heap.lock();
-        match h.heap.alloc(len, ALIGN, slot, self.cfg.handover) {
-            Ok(t) => {
-                if let Tag::Pending(id) = t.from {
-                    // Handed over: order this stream after the group's events.
-                    let waits = h.group_events.get(&id).cloned().unwrap_or_default();
-                    self.wait_on(stream, &waits)?;
-                    self.counters.handovers.fetch_add(1, Relaxed);
-                }
-                Ok(t.addr)
-            }
+        match self.heap_alloc(&mut h, len, ALIGN, stream, self.cfg.handover) {
+            Ok(t) => Ok(t.addr),
             Err(e) if e.is_oom() => {
                 drop(h);
                 Err(self.oom(size))
@@ -431,8 +453,39 @@ impl PoolShared {
         }
     }
 
+    /// One heap allocation for `stream`, with its side effects handled:
+    /// the stream waits on any pending groups it takes memory from, and
+    /// granules aliased by stitching get an event on the stream.
+    fn heap_alloc(
+        &self,
+        h: &mut HeapState,
+        len: u64,
+        align: u64,
+        stream: &Stream,
+        pending_ok: bool,
+    ) -> Result<heap::Taken> {
+        let r = h.heap.alloc(len, align, stream.slot(), pending_ok);
+        let q = h.heap.take_quarantine();
+        if !q.is_empty() {
+            let waits = self.record_events(stream.handle(), &[]);
+            h.quarantine.push((waits, q));
+        }
+        let t = r?;
+        if !t.waits.is_empty() {
+            for id in &t.waits {
+                let w = h.group_events.get(id).cloned().unwrap_or_default();
+                self.wait_on(stream, &w)?;
+            }
+            self.counters.handovers.fetch_add(1, Relaxed);
+        }
+        Ok(t)
+    }
+
     fn oom(&self, requested: u64) -> Error {
         self.counters.ooms.fetch_add(1, Relaxed);
+        // Give back what a failed growth left spare, as PyTorch frees its
+        // cache before reporting.
+        self.heap.lock().heap.release_cached();
         let s = self.stats();
         let largest_free = self.heap.lock().heap.largest_free();
         let report = OomReport {
@@ -452,12 +505,23 @@ impl PoolShared {
     // ---- freeing ------------------------------------------------------------------------
 
     /// Frees a block allocated on `stream` and also used on `extra` streams.
-    pub(crate) fn free_block(&self, ptr: DevicePtr, kind: Kind, requested: u64, stream: &Stream, extra: &[StreamHandle]) {
+    pub(crate) fn free_block(
+        &self,
+        ptr: DevicePtr,
+        kind: Kind,
+        requested: u64,
+        stream: &Stream,
+        extra: &[StreamHandle],
+    ) {
         let slot = stream.slot();
         match kind {
             Kind::Small { idx, class } => {
                 let class = class as usize;
-                self.counters.on_free(Self::shard(slot), requested, self.slabs.classes.size_of(class));
+                self.counters.on_free(
+                    Self::shard(slot),
+                    requested,
+                    self.slabs.classes.size_of(class),
+                );
                 match slot {
                     Some(s) if extra.is_empty() => self.slabs.push_dirty(class, s as usize, idx),
                     _ => self.park_slots(class, vec![idx], stream.handle(), extra),
@@ -469,11 +533,15 @@ impl PoolShared {
                 let mut h = self.heap.lock();
                 match slot {
                     Some(s) if extra.is_empty() => {
-                        h.heap.free(addr, Tag::Dirty(s)).expect("block is allocated");
+                        h.heap
+                            .free(addr, Tag::Dirty(s))
+                            .expect("block is allocated");
                     }
                     _ => {
                         let id = h.heap.new_pending_group();
-                        h.heap.free(addr, Tag::Pending(id)).expect("block is allocated");
+                        h.heap
+                            .free(addr, Tag::Pending(id))
+                            .expect("block is allocated");
                         let waits = self.record_events(stream.handle(), extra);
                         h.group_events.insert(id, waits);
                         drop(h);
@@ -521,7 +589,12 @@ impl PoolShared {
         let waits = self.record_events(own, extra);
         self.counters.pending_slot_bytes.fetch_add(bytes, Relaxed);
         self.counters.pending_frees.fetch_add(1, Relaxed);
-        self.pending.push(Pending::Slots { class: class as u16, slots, waits, bytes });
+        self.pending.push(Pending::Slots {
+            class: class as u16,
+            slots,
+            waits,
+            bytes,
+        });
     }
 
     // ---- raw pointers ---------------------------------------------------------------------
@@ -539,10 +612,19 @@ impl PoolShared {
         let extra = self.take_raw_streams(addr);
         if let Some(id) = self.slab_holding(addr) {
             let Some(slot) = self.slabs.slot_at(id, addr) else {
-                return Err(Error::UnknownPointer { ptr: addr, device: self.dev });
+                return Err(Error::UnknownPointer {
+                    ptr: addr,
+                    device: self.dev,
+                });
             };
-            let requested = self.slabs.unmark_raw(slot.idx).ok_or(Error::DoubleFree { ptr: addr, device: self.dev })?;
-            let kind = Kind::Small { idx: slot.idx, class: slot.class as u16 };
+            let requested = self.slabs.unmark_raw(slot.idx).ok_or(Error::DoubleFree {
+                ptr: addr,
+                device: self.dev,
+            })?;
+            let kind = Kind::Small {
+                idx: slot.idx,
+                class: slot.class as u16,
+            };
             self.free_block(ptr, kind, requested, stream, &extra);
             return Ok(());
         }
@@ -552,10 +634,18 @@ impl PoolShared {
                 return Err(if h.heap.allocated_len(addr).is_some() {
                     Error::InvalidArgument(format!("{addr:#x} is a block, not a raw allocation"))
                 } else {
-                    Error::UnknownPointer { ptr: addr, device: self.dev }
+                    Error::UnknownPointer {
+                        ptr: addr,
+                        device: self.dev,
+                    }
                 });
             };
-            (requested, h.heap.allocated_len(addr).expect("raw large blocks are allocated"))
+            (
+                requested,
+                h.heap
+                    .allocated_len(addr)
+                    .expect("raw large blocks are allocated"),
+            )
         };
         self.free_block(ptr, Kind::Large { len }, requested, stream, &extra);
         Ok(())
@@ -573,7 +663,10 @@ impl PoolShared {
         let addr = ptr.addr();
         if let Some(id) = self.slab_holding(addr) {
             let slot = self.slabs.slot_at(id, addr)?;
-            return self.slabs.is_raw_live(slot.idx).then(|| self.slabs.raw_requested(slot.idx));
+            return self
+                .slabs
+                .is_raw_live(slot.idx)
+                .then(|| self.slabs.raw_requested(slot.idx));
         }
         self.heap.lock().raw_large.get(&addr).copied()
     }
@@ -582,7 +675,10 @@ impl PoolShared {
         self.check_live()?;
         self.check_stream(stream)?;
         if self.raw_size(ptr).is_none() {
-            return Err(Error::UnknownPointer { ptr: ptr.addr(), device: self.dev });
+            return Err(Error::UnknownPointer {
+                ptr: ptr.addr(),
+                device: self.dev,
+            });
         }
         let mut m = self.raw_streams.lock();
         let v = m.entry(ptr.addr()).or_default();
@@ -597,13 +693,15 @@ impl PoolShared {
     /// Whether everything in `w` completed (never, while a stream is unrecorded).
     fn waits_done(&self, w: &Waits) -> bool {
         w.unrecorded.is_empty()
-            && w.events.iter().all(|&e| match self.backend.query_event(self.dev, e) {
-                Ok(done) => done,
-                Err(err) => {
-                    tracing::warn!(device = self.dev, "cuEventQuery failed: {err}");
-                    false
-                }
-            })
+            && w.events
+                .iter()
+                .all(|&e| match self.backend.query_event(self.dev, e) {
+                    Ok(done) => done,
+                    Err(err) => {
+                        tracing::warn!(device = self.dev, "cuEventQuery failed: {err}");
+                        false
+                    }
+                })
     }
 
     fn recycle_events(&self, w: Waits) {
@@ -615,28 +713,41 @@ impl PoolShared {
     /// Orders `stream` after everything in `w` on the device.
     fn wait_on(&self, stream: &Stream, w: &Waits) -> Result<()> {
         if !w.unrecorded.is_empty() {
-            return Err(Error::InvalidArgument("memory with unrecorded uses cannot be handed over".into()));
+            return Err(Error::InvalidArgument(
+                "memory with unrecorded uses cannot be handed over".into(),
+            ));
         }
         for &e in &w.events {
-            self.backend.stream_wait_event(self.dev, stream.handle(), e)?;
+            self.backend
+                .stream_wait_event(self.dev, stream.handle(), e)?;
         }
         Ok(())
     }
 
     /// Releases every pending record whose events completed, without blocking.
     fn harvest(&self) -> usize {
-        let mut released = 0;
+        let mut released = self.harvest_quarantine();
         for _ in 0..self.pending.len() {
             let Some(p) = self.pending.pop() else { break };
             match p {
-                Pending::Slots { class, slots, waits, bytes } => {
+                Pending::Slots {
+                    class,
+                    slots,
+                    waits,
+                    bytes,
+                } => {
                     if self.waits_done(&waits) {
                         self.slabs.push_clean(class as usize, &slots);
                         self.counters.pending_slot_bytes.fetch_sub(bytes, Relaxed);
                         self.recycle_events(waits);
                         released += 1;
                     } else {
-                        self.pending.push(Pending::Slots { class, slots, waits, bytes });
+                        self.pending.push(Pending::Slots {
+                            class,
+                            slots,
+                            waits,
+                            bytes,
+                        });
                     }
                 }
                 Pending::Group { id } => {
@@ -658,6 +769,26 @@ impl PoolShared {
         released
     }
 
+    /// Unmaps aliased granules whose old uses completed.
+    fn harvest_quarantine(&self) -> usize {
+        let mut h = self.heap.lock();
+        if h.quarantine.is_empty() {
+            return 0;
+        }
+        let q = std::mem::take(&mut h.quarantine);
+        let mut released = 0;
+        for (w, gs) in q {
+            if self.waits_done(&w) {
+                h.heap.release_quarantine(&gs);
+                self.recycle_events(w);
+                released += 1;
+            } else {
+                h.quarantine.push((w, gs));
+            }
+        }
+        released
+    }
+
     /// Takes pending slots of `class` for `stream` by ordering the stream
     /// after their events on the device (no host sync).
     fn handover_slots(&self, class: usize, stream: &Stream) -> Option<u32> {
@@ -665,10 +796,20 @@ impl PoolShared {
         for _ in 0..self.pending.len() {
             let p = self.pending.pop()?;
             match p {
-                Pending::Slots { class: c, slots, waits, bytes } if c as usize == class && waits.unrecorded.is_empty() => {
+                Pending::Slots {
+                    class: c,
+                    slots,
+                    waits,
+                    bytes,
+                } if c as usize == class && waits.unrecorded.is_empty() => {
                     if let Err(e) = self.wait_on(stream, &waits) {
                         tracing::warn!(device = self.dev, "handover failed: {e}");
-                        self.pending.push(Pending::Slots { class: c, slots, waits, bytes });
+                        self.pending.push(Pending::Slots {
+                            class: c,
+                            slots,
+                            waits,
+                            bytes,
+                        });
                         continue;
                     }
                     self.counters.pending_slot_bytes.fetch_sub(bytes, Relaxed);
@@ -703,13 +844,11 @@ impl PoolShared {
         }
     }
 
-    /// Makes free memory reusable across streams and classes: flushes other
-    /// streams' dirty memory, harvests, and retires empty slabs.
-    fn reclaim(&self, except: Option<u16>) {
+    /// Makes free memory reusable across streams and classes: flushes every
+    /// stream's dirty memory (the requester gets its own back by handover),
+    /// harvests, and retires empty slabs.
+    fn reclaim(&self) {
         for slot in 0..STREAM_SLOTS {
-            if Some(slot as u16) == except {
-                continue;
-            }
             if let Some(h) = self.streams.handle(slot) {
                 self.flush_slot(slot, h);
             }
@@ -730,7 +869,10 @@ impl PoolShared {
             }
             let mut per_slab: HashMap<u32, Vec<u32>> = HashMap::new();
             for idx in clean {
-                per_slab.entry(self.slabs.slab_of(idx)).or_default().push(idx);
+                per_slab
+                    .entry(self.slabs.slab_of(idx))
+                    .or_default()
+                    .push(idx);
             }
             let mut keep = Vec::new();
             for (id, idxs) in per_slab {
@@ -739,7 +881,9 @@ impl PoolShared {
                     self.slab_index.write().remove(&base);
                     self.slabs.retire(id);
                     h.free_slab_ids.push(id);
-                    h.heap.free(base, Tag::Clean).expect("slabs are allocated ranges");
+                    h.heap
+                        .free(base, Tag::Clean)
+                        .expect("slabs are allocated ranges");
                     h.slab_bytes -= self.slabs.slab_bytes;
                     h.slab_tail_bytes -= self.slabs.tail_bytes(class);
                     freed += self.slabs.slab_bytes;
@@ -767,6 +911,17 @@ impl PoolShared {
 
     /// Blocks until every pending record's uses completed (trim and teardown only).
     fn sync_pending(&self) -> Result<()> {
+        let q = std::mem::take(&mut self.heap.lock().quarantine);
+        for (w, gs) in q {
+            for &e in &w.events {
+                self.backend.sync_event(self.dev, e)?;
+            }
+            for &s in &w.unrecorded {
+                self.backend.sync_stream(self.dev, s)?;
+            }
+            self.heap.lock().heap.release_quarantine(&gs);
+            self.recycle_events(w);
+        }
         let mut records = Vec::new();
         while let Some(p) = self.pending.pop() {
             records.push(p);
@@ -784,7 +939,9 @@ impl PoolShared {
         for p in records {
             let r = match &p {
                 Pending::Slots { waits, .. } => sync(waits).map(|()| {
-                    let Pending::Slots { waits, .. } = &p else { unreachable!() };
+                    let Pending::Slots { waits, .. } = &p else {
+                        unreachable!()
+                    };
                     waits.clone()
                 }),
                 Pending::Group { id } => {
@@ -810,9 +967,19 @@ impl PoolShared {
 
     fn mark_synced(p: Pending, heap: &Mutex<HeapState>) -> Pending {
         match p {
-            Pending::Slots { class, slots, mut waits, bytes } => {
+            Pending::Slots {
+                class,
+                slots,
+                mut waits,
+                bytes,
+            } => {
                 waits.unrecorded.clear();
-                Pending::Slots { class, slots, waits, bytes }
+                Pending::Slots {
+                    class,
+                    slots,
+                    waits,
+                    bytes,
+                }
             }
             Pending::Group { id } => {
                 if let Some(w) = heap.lock().group_events.get_mut(&id) {
@@ -845,7 +1012,13 @@ impl PoolShared {
         let (reserved, heap_pending, overhead, device_allocs, device_frees) = {
             let h = self.heap.lock();
             let f = h.heap.figures();
-            (f.reserved, f.free_pending, h.slab_tail_bytes, h.heap.device_allocs, h.heap.device_frees)
+            (
+                f.reserved,
+                f.free_pending,
+                h.slab_tail_bytes,
+                h.heap.device_allocs,
+                h.heap.device_frees,
+            )
         };
         let pending = heap_pending + self.counters.pending_slot_bytes.load(Relaxed);
         let cached = reserved.saturating_sub(active + pending + overhead);
@@ -854,7 +1027,10 @@ impl PoolShared {
         c.peak_reserved.fetch_max(reserved, Relaxed);
         c.peak_cached.fetch_max(cached, Relaxed);
         c.peak_pending.fetch_max(pending, Relaxed);
-        let stat = |current, peak: &std::sync::atomic::AtomicU64| Stat { current, peak: peak.load(Relaxed).max(current) };
+        let stat = |current, peak: &std::sync::atomic::AtomicU64| Stat {
+            current,
+            peak: peak.load(Relaxed).max(current),
+        };
         PoolStats {
             device: self.dev,
             allocated_bytes: stat(allocated, &c.peak_allocated),
@@ -873,7 +1049,11 @@ impl PoolShared {
             num_pending_frees: c.pending_frees.load(Relaxed),
             num_handovers: c.handovers.load(Relaxed),
             host_syncs: self.backend.counters().host_syncs,
-            fragmentation: if reserved == 0 { 0.0 } else { (reserved - allocated.min(reserved)) as f64 / reserved as f64 },
+            fragmentation: if reserved == 0 {
+                0.0
+            } else {
+                (reserved - allocated.min(reserved)) as f64 / reserved as f64
+            },
         }
     }
 
@@ -915,7 +1095,12 @@ impl PoolShared {
         let mut check_records = || -> std::result::Result<(), String> {
             for p in &records {
                 match p {
-                    Pending::Slots { class, slots, bytes, .. } => {
+                    Pending::Slots {
+                        class,
+                        slots,
+                        bytes,
+                        ..
+                    } => {
                         for &i in slots {
                             note(i, "the pending list")?;
                         }
@@ -963,7 +1148,10 @@ impl PoolShared {
         }
         let stats = self.stats();
         let cached = f.free_clean + f.free_dirty + f.spare + free_slot_bytes;
-        let sum = stats.active_bytes.current + stats.pending_bytes.current + cached + stats.overhead_bytes;
+        let sum = stats.active_bytes.current
+            + stats.pending_bytes.current
+            + cached
+            + stats.overhead_bytes;
         if sum != stats.reserved_bytes.current || cached != stats.cached_bytes.current {
             return Err(format!(
                 "reserved {} != active {} + pending {} + cached {cached} + overhead {}",

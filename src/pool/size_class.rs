@@ -108,12 +108,19 @@ mod tests {
         assert_eq!(sc.small_max(), 256 << 10);
         assert!(sc.sizes().windows(2).all(|w| w[0] < w[1]));
         assert!(sc.sizes().iter().all(|s| s % ALIGN == 0));
-        for size in (1..=(256u64 << 10)).step_by(97).chain([1, 255, 256, 257, 1024, 1025, 256 << 10]) {
+        for size in
+            (1..=(256u64 << 10))
+                .step_by(97)
+                .chain([1, 255, 256, 257, 1024, 1025, 256 << 10])
+        {
             let c = sc.class_of(size).unwrap();
             let slot = sc.size_of(c);
             assert!(slot >= size, "{size} -> {slot}");
             if c > 0 {
-                assert!(sc.size_of(c - 1) < size, "{size} not in the smallest fitting class");
+                assert!(
+                    sc.size_of(c - 1) < size,
+                    "{size} not in the smallest fitting class"
+                );
             }
             if size > 1024 {
                 assert!((slot - size) * 4 < slot, "{size} -> {slot}: waste over 25%");
@@ -130,7 +137,10 @@ mod tests {
         let sc = SizeClasses::new(8192);
         assert_eq!(
             sc.sizes(),
-            &[256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192]
+            &[
+                256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144,
+                7168, 8192
+            ]
         );
         assert_eq!(round_large(1), 256);
         assert_eq!(round_large(512), 512);

@@ -73,17 +73,27 @@ impl Links for Slabs {
     #[inline]
     fn link(&self, idx: u32) -> &AtomicU32 {
         let (slab, slot) = (idx / self.max_slots, idx % self.max_slots);
-        &self.slabs[slab as usize].arrays.get().expect("slab arrays exist before its slots are linked").next
-            [slot as usize]
+        &self.slabs[slab as usize]
+            .arrays
+            .get()
+            .expect("slab arrays exist before its slots are linked")
+            .next[slot as usize]
     }
 }
 
 impl Slabs {
-    pub(crate) fn new(classes: SizeClasses, slab_bytes: u64, max_slabs: u32, stream_slots: usize) -> Slabs {
+    pub(crate) fn new(
+        classes: SizeClasses,
+        slab_bytes: u64,
+        max_slabs: u32,
+        stream_slots: usize,
+    ) -> Slabs {
         let stacks = (0..classes.len())
             .map(|_| ClassStacks {
                 clean: CachePadded::new(IndexStack::new()),
-                dirty: (0..stream_slots).map(|_| CachePadded::new(IndexStack::new())).collect(),
+                dirty: (0..stream_slots)
+                    .map(|_| CachePadded::new(IndexStack::new()))
+                    .collect(),
             })
             .collect();
         let max_slots = (slab_bytes / ALIGN) as u32;
@@ -103,7 +113,8 @@ impl Slabs {
     pub(crate) fn slot(&self, idx: u32) -> SlotRef {
         let s = &self.slabs[(idx / self.max_slots) as usize];
         let class = s.class.load(Relaxed) as usize;
-        let addr = s.base.load(Relaxed) + (idx % self.max_slots) as u64 * self.classes.size_of(class);
+        let addr =
+            s.base.load(Relaxed) + (idx % self.max_slots) as u64 * self.classes.size_of(class);
         SlotRef { idx, class, addr }
     }
 
@@ -156,7 +167,12 @@ impl Slabs {
 
     /// Registers a new slab of `class` at `base`; returns its slot indices.
     /// Called under the heap lock, so ids are handed out by one thread at a time.
-    pub(crate) fn install(&self, class: usize, base: u64, reuse_id: Option<u32>) -> Option<Vec<u32>> {
+    pub(crate) fn install(
+        &self,
+        class: usize,
+        base: u64,
+        reuse_id: Option<u32>,
+    ) -> Option<Vec<u32>> {
         let id = match reuse_id {
             Some(id) => id,
             None => {
@@ -198,7 +214,11 @@ impl Slabs {
     /// Base address, class and slot count of slab `id` (base 0: unused).
     pub(crate) fn slab_info(&self, id: u32) -> (u64, usize, u32) {
         let s = &self.slabs[id as usize];
-        (s.base.load(Acquire), s.class.load(Relaxed) as usize, s.nslots.load(Relaxed))
+        (
+            s.base.load(Acquire),
+            s.class.load(Relaxed) as usize,
+            s.nslots.load(Relaxed),
+        )
     }
 
     /// Slab ids handed out so far.
@@ -227,7 +247,10 @@ impl Slabs {
     }
 
     fn arrays(&self, idx: u32) -> (&SlabArrays, usize) {
-        let a = self.slabs[(idx / self.max_slots) as usize].arrays.get().expect("installed");
+        let a = self.slabs[(idx / self.max_slots) as usize]
+            .arrays
+            .get()
+            .expect("installed");
         (a, (idx % self.max_slots) as usize)
     }
 

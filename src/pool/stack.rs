@@ -53,7 +53,9 @@ impl Default for IndexStack {
 impl IndexStack {
     /// An empty stack.
     pub fn new() -> Self {
-        IndexStack { head: AtomicU64::new(pack(0, NIL)) }
+        IndexStack {
+            head: AtomicU64::new(pack(0, NIL)),
+        }
     }
 
     /// Whether the stack looked empty at the moment of the load.
@@ -76,7 +78,12 @@ impl IndexStack {
             links.link(last).store(idx, Relaxed);
             // Release: the link store (and whatever the caller wrote about
             // the slots) is visible to the thread that pops them.
-            match self.head.compare_exchange_weak(cur, pack(tag.wrapping_add(1), first), Release, Relaxed) {
+            match self.head.compare_exchange_weak(
+                cur,
+                pack(tag.wrapping_add(1), first),
+                Release,
+                Relaxed,
+            ) {
                 Ok(_) => return,
                 Err(now) => cur = now,
             }
@@ -95,7 +102,12 @@ impl IndexStack {
             // May be stale if `idx` was popped meanwhile; then the tag has
             // changed and the CAS below fails.
             let next = links.link(idx).load(Relaxed);
-            match self.head.compare_exchange_weak(cur, pack(tag.wrapping_add(1), next), Acquire, Acquire) {
+            match self.head.compare_exchange_weak(
+                cur,
+                pack(tag.wrapping_add(1), next),
+                Acquire,
+                Acquire,
+            ) {
                 Ok(_) => return Some(idx),
                 Err(now) => cur = now,
             }
@@ -111,7 +123,12 @@ impl IndexStack {
             if idx == NIL {
                 return NIL;
             }
-            match self.head.compare_exchange_weak(cur, pack(tag.wrapping_add(1), NIL), Acquire, Acquire) {
+            match self.head.compare_exchange_weak(
+                cur,
+                pack(tag.wrapping_add(1), NIL),
+                Acquire,
+                Acquire,
+            ) {
                 Ok(_) => return idx,
                 Err(now) => cur = now,
             }

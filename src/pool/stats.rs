@@ -92,7 +92,9 @@ pub(crate) struct Counters {
 impl Counters {
     pub(crate) fn new(shards: usize) -> Counters {
         Counters {
-            shards: (0..shards).map(|_| CachePadded::new(Shard::default())).collect(),
+            shards: (0..shards)
+                .map(|_| CachePadded::new(Shard::default()))
+                .collect(),
             peak_allocated: AtomicU64::new(0),
             peak_active: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),

@@ -20,7 +20,9 @@ pub(crate) struct StreamRegistry {
 
 impl StreamRegistry {
     pub(crate) fn new() -> Self {
-        StreamRegistry { slots: (0..STREAM_SLOTS).map(|_| AtomicU64::new(0)).collect() }
+        StreamRegistry {
+            slots: (0..STREAM_SLOTS).map(|_| AtomicU64::new(0)).collect(),
+        }
     }
 
     /// The slot of `h`, registering it if needed; `None` when all are taken.
