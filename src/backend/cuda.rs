@@ -13,6 +13,9 @@
 //! released on drop. Every method makes that context current on the calling
 //! thread first.
 
+pub mod kernel;
+
+use super::move_groups::{self, split_move};
 use super::{Backend, BackendCounters, Call, CallCounters, DeviceInfo, Move};
 use crate::error::{Error, Result};
 use crate::ptr::{ChunkHandle, DevicePtr, EventHandle, StreamHandle};
@@ -21,6 +24,7 @@ use std::any::Any;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
+use std::sync::OnceLock;
 
 /// Granularity reported for devices without VMM, where the driver cannot be
 /// asked (`cuMemAlloc` has no granularity; 2 MiB is CUDA's large page).
@@ -87,6 +91,9 @@ struct Device {
     cu: sys::CUdevice,
     ctx: Ctx,
     info: DeviceInfo,
+    /// The compaction kernel, loaded on first use; `None` where it cannot
+    /// be (no NVRTC, PTX the driver refuses): moves then use copies.
+    kernel: OnceLock<Option<kernel::CompactKernel>>,
 }
 
 /// [`Backend`] over the CUDA driver API (feature `cuda`).
@@ -174,37 +181,6 @@ fn rw_access(cu: sys::CUdevice) -> sys::CUmemAccessDesc {
     }
 }
 
-/// Splits one move into copies whose source and destination never overlap,
-/// ordered so that running them one after another equals `memmove` of the
-/// whole move. Yields `(dst, src, len)`.
-///
-/// A move whose ends are at least `len` apart is one copy; one that slides a
-/// range by `d < len` bytes becomes `ceil(len / d)` copies of at most `d`
-/// bytes, front to back when moving down, back to front when moving up.
-fn split_move(m: &Move) -> impl Iterator<Item = (u64, u64, u64)> {
-    let (src, dst, len) = (m.src.0, m.dst.0, m.len);
-    let dist = src.abs_diff(dst);
-    // A zero-length or in-place move copies nothing.
-    let step = if len == 0 || dist == 0 {
-        0
-    } else {
-        dist.min(len)
-    };
-    let pieces = if step == 0 { 0 } else { len.div_ceil(step) };
-    let down = dst < src;
-    (0..pieces).map(move |i| {
-        let (off, n) = if down {
-            let off = i * step;
-            (off, step.min(len - off))
-        } else {
-            let end = len - i * step;
-            let start = end.saturating_sub(step);
-            (start, end - start)
-        };
-        (dst + off, src + off, n)
-    })
-}
-
 impl CudaBackend {
     /// Whether the CUDA driver library (`libcuda.so`, `nvcuda.dll`) can be
     /// opened. Does not initialise the driver or look for devices.
@@ -271,6 +247,7 @@ impl CudaBackend {
                     granularity: FALLBACK_GRANULARITY,
                     vmm_supported: false,
                 },
+                kernel: OnceLock::new(),
             });
             let info = Self::query_info(index, cu)?;
             this.devices[index].info = info;
@@ -397,6 +374,31 @@ impl CudaBackend {
             used,
             capacity: d.info.total_bytes,
         }
+    }
+
+    /// The compaction kernel of `d` (whose context is current), loading it
+    /// on first use; `None`, logged once, where it cannot be loaded.
+    fn kernel(dev: usize, d: &Device) -> Option<&kernel::CompactKernel> {
+        d.kernel
+            .get_or_init(|| match kernel::CompactKernel::load(d.cu) {
+                Ok(k) => {
+                    tracing::debug!(device = dev, "compaction kernel loaded");
+                    Some(k)
+                }
+                Err(e) => {
+                    kernel::warn_fallback(dev, &e);
+                    None
+                }
+            })
+            .as_ref()
+    }
+
+    /// Whether [`Backend::enqueue_moves`] on `dev` runs the compaction
+    /// kernel (`true`) or falls back to `cuMemcpyDtoDAsync` copies. Loads
+    /// (compiling with NVRTC) the kernel if that was not done yet.
+    pub fn move_kernel_ready(&self, dev: usize) -> Result<bool> {
+        let d = self.enter(dev)?;
+        Ok(Self::kernel(dev, d).is_some())
     }
 
     fn require_vmm(dev: usize, d: &Device) -> Result<()> {
@@ -699,22 +701,28 @@ impl Backend for CudaBackend {
         })
     }
 
-    /// For now one `cuMemcpyDtoDAsync` per move (more for a move that
-    /// overlaps itself), in order on `stream`.
+    /// One launch of the compaction kernel per conflict-free group of
+    /// moves (see [`kernel`]), or, where the kernel cannot be loaded, one
+    /// `cuMemcpyDtoDAsync` per move (more for a move that overlaps itself),
+    /// all in order on `stream`. Either way the batch has in-order `memmove`
+    /// semantics and the host never waits on the device (the first call on
+    /// a device compiles the kernel with NVRTC, host work of well under a
+    /// second).
     fn enqueue_moves(&self, dev: usize, stream: StreamHandle, moves: &[Move]) -> Result<()> {
-        self.enter(dev)?;
-        if moves.is_empty() {
+        let d = self.enter(dev)?;
+        move_groups::validate(moves)?;
+        if moves.iter().all(move_groups::is_noop) {
             return Ok(());
         }
-        // TODO(compaction kernel): replace these copies with one launch of
-        // the NVRTC-compiled move kernel over the `repr(C)` `Move` array.
-        // Until then the batch is a series of copies on one stream. A stream
-        // runs its work in order, so a move reading what an earlier move
-        // wrote (its src overlapping an earlier dst) sees the new bytes. A
-        // move that overlaps itself is split by `split_move` into
-        // non-overlapping pieces, since cuMemcpy does not promise memmove.
         self.counters.count(Call::LaunchMoves);
         let s = stream_of(stream);
+        if let Some(k) = Self::kernel(dev, d) {
+            return k.enqueue(s, moves);
+        }
+        // A stream runs its work in order, so a move reading what an
+        // earlier move wrote sees the new bytes. A move that overlaps itself
+        // is split into non-overlapping pieces, since cuMemcpy does not
+        // promise memmove.
         for m in moves {
             for (dst, src, len) in split_move(m) {
                 // SAFETY: device-to-device copy on an opaque stream; the
@@ -830,40 +838,6 @@ mod tests {
         }
         if !present {
             assert!(matches!(CudaBackend::new(), Err(Error::NoDriver(_))));
-        }
-    }
-
-    /// Applies `split_move` pieces as plain non-overlapping copies on a host
-    /// buffer and compares with `memmove` of the whole move.
-    #[test]
-    fn split_move_equals_memmove() {
-        const N: u64 = 64;
-        for src in 0..N {
-            for dst in 0..N {
-                for len in 0..=(N - src.max(dst)) {
-                    let init: Vec<u8> = (0..N as u8).collect();
-                    let mut want = init.clone();
-                    want.copy_within(src as usize..(src + len) as usize, dst as usize);
-                    let mut got = init;
-                    let m = Move {
-                        src: DevicePtr(src),
-                        dst: DevicePtr(dst),
-                        len,
-                    };
-                    let mut total = 0;
-                    for (d, s, n) in split_move(&m) {
-                        let (d, s, n) = (d as usize, s as usize, n as usize);
-                        assert!(d + n <= s || s + n <= d, "piece overlaps itself");
-                        let piece = got[s..s + n].to_vec();
-                        got[d..d + n].copy_from_slice(&piece);
-                        total += n as u64;
-                    }
-                    assert_eq!(got, want, "src {src} dst {dst} len {len}");
-                    if src != dst {
-                        assert_eq!(total, len);
-                    }
-                }
-            }
         }
     }
 }

@@ -11,6 +11,7 @@
 //! the conformance suite in `tests/conformance.rs`.
 
 mod counters;
+pub mod move_groups;
 pub mod sim;
 
 #[cfg(feature = "cuda")]
