@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod bench;
 pub mod config;
 mod error;
 pub mod pool;

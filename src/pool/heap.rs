@@ -182,24 +182,6 @@ impl Heap {
         Ok(heap)
     }
 
-    /// Granularity of physical memory.
-    pub(crate) fn granularity(&self) -> u64 {
-        self.gran
-    }
-
-    /// Base and length of the reservation (VMM mode).
-    pub(crate) fn reservation(&self) -> Option<(u64, u64)> {
-        match &self.phys {
-            Physical::Vmm { base, len, .. } => Some((*base, *len)),
-            Physical::Segments { .. } => None,
-        }
-    }
-
-    /// Physical bytes held.
-    pub(crate) fn reserved(&self) -> u64 {
-        self.reserved
-    }
-
     // ---- free-range bookkeeping ----------------------------------------------
 
     fn index_insert(&mut self, addr: u64, r: FreeRange) {
@@ -772,13 +754,6 @@ impl Heap {
             let r = self.by_addr.remove(&addr).expect("indexed");
             self.insert_free(addr, r.len, Tag::Clean);
         }
-    }
-
-    /// Bytes still free under pending group `id`.
-    pub(crate) fn pending_bytes(&self, id: u32) -> u64 {
-        self.by_tag
-            .get(&Tag::Pending(id))
-            .map_or(0, |s| s.iter().map(|r| r.0).sum())
     }
 
     // ---- giving memory back ------------------------------------------------------------

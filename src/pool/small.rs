@@ -221,11 +221,6 @@ impl Slabs {
         )
     }
 
-    /// Slab ids handed out so far.
-    pub(crate) fn ids_in_use(&self) -> u32 {
-        self.used_ids.load(Relaxed)
-    }
-
     /// Bytes at the end of a slab of `class` that no slot covers.
     pub(crate) fn tail_bytes(&self, class: usize) -> u64 {
         self.slab_bytes % self.classes.size_of(class)
