@@ -11,6 +11,7 @@
 pub mod backend;
 pub mod bench;
 pub mod config;
+pub mod demo;
 mod error;
 pub mod pool;
 mod ptr;

@@ -50,11 +50,26 @@ calls! {
     MemcpyHtoD => "cuMemcpyHtoD",
 }
 
-/// Lock-free call counters, one per [`Call`], plus host-blocking syncs.
-#[derive(Debug, Default)]
+/// Devices whose host syncs are counted separately.
+pub const COUNTED_DEVICES: usize = 64;
+
+/// Lock-free call counters, one per [`Call`], plus host-blocking syncs
+/// (in total and per device).
+#[derive(Debug)]
 pub struct CallCounters {
     calls: [AtomicU64; Call::ALL.len()],
     host_syncs: AtomicU64,
+    per_device: [AtomicU64; COUNTED_DEVICES],
+}
+
+impl Default for CallCounters {
+    fn default() -> Self {
+        CallCounters {
+            calls: std::array::from_fn(|_| AtomicU64::new(0)),
+            host_syncs: AtomicU64::new(0),
+            per_device: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
 }
 
 impl CallCounters {
@@ -64,16 +79,20 @@ impl CallCounters {
         self.calls[call as usize].fetch_add(1, Relaxed);
     }
 
-    /// Counts one host-blocking sync.
+    /// Counts one host-blocking sync made on device `dev`.
     #[inline]
-    pub fn count_host_sync(&self) {
+    pub fn count_host_sync(&self, dev: usize) {
         self.host_syncs.fetch_add(1, Relaxed);
+        if let Some(c) = self.per_device.get(dev) {
+            c.fetch_add(1, Relaxed);
+        }
     }
 
     /// A snapshot of all counters.
     pub fn snapshot(&self) -> BackendCounters {
         BackendCounters {
             host_syncs: self.host_syncs.load(Relaxed),
+            host_syncs_by_device: self.per_device.iter().map(|c| c.load(Relaxed)).collect(),
             calls: Call::ALL
                 .iter()
                 .map(|c| (c.name(), self.calls[*c as usize].load(Relaxed)))
@@ -88,11 +107,18 @@ pub struct BackendCounters {
     /// Host-blocking syncs (`cuEventSynchronize`, `cuStreamSynchronize`,
     /// synchronous copies).
     pub host_syncs: u64,
+    /// Host-blocking syncs per device (the first [`COUNTED_DEVICES`]).
+    pub host_syncs_by_device: Vec<u64>,
     /// Calls by driver name.
     pub calls: BTreeMap<&'static str, u64>,
 }
 
 impl BackendCounters {
+    /// Host-blocking syncs made on device `dev`.
+    pub fn host_syncs_of(&self, dev: usize) -> u64 {
+        self.host_syncs_by_device.get(dev).copied().unwrap_or(0)
+    }
+
     /// How many times `call` was made.
     pub fn get(&self, call: Call) -> u64 {
         self.calls.get(call.name()).copied().unwrap_or(0)

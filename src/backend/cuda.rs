@@ -670,7 +670,7 @@ impl Backend for CudaBackend {
         self.enter(dev)?;
         let e = event_of(event)?;
         self.counters.count(Call::EventSynchronize);
-        self.counters.count_host_sync();
+        self.counters.count_host_sync(dev);
         // SAFETY: an opaque handle, validated by the driver.
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(e) })
     }
@@ -693,7 +693,7 @@ impl Backend for CudaBackend {
     fn sync_stream(&self, dev: usize, stream: StreamHandle) -> Result<()> {
         self.enter(dev)?;
         self.counters.count(Call::StreamSynchronize);
-        self.counters.count_host_sync();
+        self.counters.count_host_sync(dev);
         // SAFETY: an opaque handle (null: the legacy default stream),
         // validated by the driver.
         check("cuStreamSynchronize", unsafe {
@@ -762,7 +762,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.counters.count(Call::MemcpyDtoH);
-        self.counters.count_host_sync();
+        self.counters.count_host_sync(dev);
         // SAFETY: `dst` is a live, exclusively borrowed host buffer of
         // `dst.len()` bytes, and the copy is synchronous, so the driver is
         // done writing it before the borrow ends.
@@ -779,7 +779,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.counters.count(Call::MemcpyHtoD);
-        self.counters.count_host_sync();
+        self.counters.count_host_sync(dev);
         // SAFETY: `src` is a live host buffer of `src.len()` bytes, only
         // read, and the driver has consumed it when the synchronous call
         // returns.

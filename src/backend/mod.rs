@@ -17,7 +17,7 @@ pub mod sim;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-pub use counters::{BackendCounters, Call, CallCounters};
+pub use counters::{BackendCounters, Call, CallCounters, COUNTED_DEVICES};
 
 use crate::error::Result;
 use crate::ptr::{ChunkHandle, DevicePtr, EventHandle, StreamHandle};

@@ -1,1 +1,215 @@
-fn main() {}
+//! `gpupool`: demo, info, topology and benchmarks from the command line.
+//! Every command takes `--json` for a machine-readable report.
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use gpupool::backend::sim::SimConfig;
+use gpupool::{BackendKind, PoolConfig, Runtime};
+
+#[derive(Parser)]
+#[command(
+    name = "gpupool",
+    version,
+    about = "A lock-free, multi-GPU device-memory allocator runtime"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a short data-parallel training workload on every device and report.
+    Demo {
+        #[command(flatten)]
+        common: Common,
+        /// Training steps.
+        #[arg(long, default_value_t = 6)]
+        steps: usize,
+    },
+    /// Print the backend, its devices and the effective configuration.
+    Info {
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Print the host topology nearest each device.
+    Topo {
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Micro-benchmarks, side by side with baselines in the same run.
+    Bench {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// A short run (seconds), for smoke tests.
+        #[arg(long)]
+        quick: bool,
+    },
+}
+
+#[derive(Args, Clone)]
+struct Common {
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Backend: sim, cuda or auto (default: GPUPOOL_CONF's, else auto).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Simulated devices (when the simulator is used).
+    #[arg(long)]
+    devices: Option<usize>,
+}
+
+impl Common {
+    /// The runtime the options describe; `sim_devices` is the simulator's
+    /// device count when neither the flag nor GPUPOOL_CONF says.
+    fn runtime(&self, sim_devices: usize) -> Result<Runtime> {
+        let conf = std::env::var("GPUPOOL_CONF").unwrap_or_default();
+        let mut cfg = PoolConfig::parse(&conf).context("GPUPOOL_CONF")?;
+        if !conf.contains("devices=") {
+            cfg.sim.devices = sim_devices;
+        }
+        if let Some(d) = self.devices {
+            cfg.sim.devices = d;
+        }
+        let kind = match self.backend.as_deref() {
+            None => match cfg.backend {
+                BackendKind::Sim(_) => BackendKind::Sim(cfg.sim.clone()),
+                ref other => other.clone(),
+            },
+            Some("sim") => BackendKind::Sim(cfg.sim.clone()),
+            Some("cuda") => BackendKind::Cuda,
+            Some("auto") => BackendKind::Auto,
+            Some(other) => anyhow::bail!("--backend {other}: expected sim, cuda or auto"),
+        };
+        Ok(Runtime::builder().backend(kind).config(cfg).build()?)
+    }
+}
+
+fn print<T: serde::Serialize + std::fmt::Display>(json: bool, v: &T) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(v)?);
+    } else {
+        println!("{v}");
+    }
+    Ok(())
+}
+
+#[derive(serde::Serialize)]
+struct InfoReport {
+    backend: String,
+    devices: Vec<gpupool::DeviceInfo>,
+    config: PoolConfig,
+    size_classes: Vec<u64>,
+    config_keys: Vec<(&'static str, &'static str)>,
+}
+
+impl std::fmt::Display for InfoReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "backend: {}", self.backend)?;
+        for d in &self.devices {
+            writeln!(
+                f,
+                "device {}: {} | {:.2} GiB | granularity {} KiB | VMM {} | PCI {}",
+                d.index,
+                d.name,
+                d.total_bytes as f64 / (1u64 << 30) as f64,
+                d.granularity >> 10,
+                if d.vmm_supported { "yes" } else { "no" },
+                d.pci_bus_id
+            )?;
+        }
+        let c = &self.config;
+        writeln!(
+            f,
+            "config: small_max {} B, va_factor {}, handover {}, thread_cache {}, idle {:?}, \
+             compact_max_bytes {}, compact_max_blocks {}, compact_release {}",
+            c.small_max,
+            c.va_factor,
+            c.handover,
+            c.thread_cache,
+            c.idle,
+            c.compact_max_bytes,
+            c.compact_max_blocks,
+            c.compact_release
+        )?;
+        writeln!(
+            f,
+            "size classes ({}): {:?}",
+            self.size_classes.len(),
+            self.size_classes
+        )?;
+        writeln!(f, "GPUPOOL_CONF keys:")?;
+        for (k, v) in &self.config_keys {
+            writeln!(f, "  {k:<20} {v}")?;
+        }
+        Ok(())
+    }
+}
+
+fn info(common: &Common) -> Result<()> {
+    let rt = common.runtime(SimConfig::default().devices)?;
+    let devices = rt.devices().iter().map(|p| p.info().clone()).collect();
+    let size_classes = rt.device(0)?.size_classes().sizes().to_vec();
+    let report = InfoReport {
+        backend: rt.backend().name().into(),
+        devices,
+        config: rt.config().clone(),
+        size_classes,
+        config_keys: PoolConfig::KEYS.to_vec(),
+    };
+    print(common.json, &report)
+}
+
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpupool: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("GPUPOOL_LOG")
+        .unwrap_or_else(|_| "warn".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Demo { common, steps } => {
+            let rt = common.runtime(4)?;
+            let opts = gpupool::demo::DemoOptions {
+                steps,
+                ..Default::default()
+            };
+            let report = gpupool::demo::run(&rt, &opts)?;
+            print(common.json, &report)?;
+            if !report.gradients_match {
+                anyhow::bail!("gradients differ between devices");
+            }
+        }
+        Command::Info { common } => info(&common)?,
+        Command::Topo { common } => {
+            let rt = common.runtime(SimConfig::default().devices)?;
+            let infos: Vec<_> = rt.devices().iter().map(|p| p.info().clone()).collect();
+            print(common.json, &gpupool::topology::discover(&infos))?;
+        }
+        Command::Bench { json, quick } => {
+            let report = gpupool::bench::run(&gpupool::bench::BenchOptions {
+                quick,
+                ..Default::default()
+            })?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                println!("{report:?}");
+            }
+        }
+    }
+    Ok(())
+}

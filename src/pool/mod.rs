@@ -21,6 +21,8 @@
 
 mod block;
 mod heap;
+#[cfg(all(test, loom))]
+mod loom_tests;
 mod pending;
 mod size_class;
 mod small;
@@ -38,10 +40,9 @@ use crate::backend::{Backend, DeviceInfo};
 use crate::config::PoolConfig;
 use crate::error::{Error, OomReport, Result};
 use crate::ptr::{DevicePtr, EventHandle, StreamHandle};
-use crossbeam_queue::SegQueue;
 use heap::{Heap, Tag};
 use parking_lot::{Mutex, RwLock};
-use pending::{Pending, Waits};
+use pending::{Pending, PendingList, Waits};
 use size_class::round_large;
 use small::Slabs;
 use stats::Counters;
@@ -81,8 +82,9 @@ pub(crate) struct PoolShared {
     heap: Mutex<HeapState>,
     /// Slab base address -> slab id, for raw frees.
     slab_index: RwLock<HashMap<u64, u32>>,
-    pending: SegQueue<Pending>,
-    event_pool: SegQueue<EventHandle>,
+    pending: PendingList<Pending>,
+    /// Idle events for reuse (a slow-path pool; a mutex is fine here).
+    event_pool: Mutex<Vec<EventHandle>>,
     streams: StreamRegistry,
     counters: Counters,
     /// Extra streams recorded for raw pointers (`gpupool_record_stream`).
@@ -130,8 +132,8 @@ impl DevicePool {
                 slab_tail_bytes: 0,
             }),
             slab_index: RwLock::new(HashMap::new()),
-            pending: SegQueue::new(),
-            event_pool: SegQueue::new(),
+            pending: PendingList::new(),
+            event_pool: Mutex::new(Vec::new()),
             streams: StreamRegistry::new(),
             counters: Counters::new(STREAM_SLOTS + 1),
             raw_streams: Mutex::new(HashMap::new()),
@@ -464,7 +466,11 @@ impl PoolShared {
         stream: &Stream,
         pending_ok: bool,
     ) -> Result<heap::Taken> {
+        let device_allocs = h.heap.device_allocs;
         let r = h.heap.alloc(len, align, stream.slot(), pending_ok);
+        if h.heap.device_allocs != device_allocs {
+            self.counters.grown.fetch_add(1, Relaxed);
+        }
         let q = h.heap.take_quarantine();
         if !q.is_empty() {
             let waits = self.record_events(stream.handle(), &[]);
@@ -573,12 +579,13 @@ impl PoolShared {
 
     /// Records a pooled event on stream `s`.
     fn record_one(&self, s: StreamHandle) -> Result<EventHandle> {
-        let ev = match self.event_pool.pop() {
+        let pooled = self.event_pool.lock().pop();
+        let ev = match pooled {
             Some(e) => e,
             None => self.backend.create_event(self.dev)?,
         };
         if let Err(e) = self.backend.record_event(self.dev, ev, s) {
-            self.event_pool.push(ev);
+            self.event_pool.lock().push(ev);
             return Err(e);
         }
         Ok(ev)
@@ -706,7 +713,7 @@ impl PoolShared {
 
     fn recycle_events(&self, w: Waits) {
         for e in w.events {
-            self.event_pool.push(e);
+            self.event_pool.lock().push(e);
         }
     }
 
@@ -727,8 +734,10 @@ impl PoolShared {
     /// Releases every pending record whose events completed, without blocking.
     fn harvest(&self) -> usize {
         let mut released = self.harvest_quarantine();
-        for _ in 0..self.pending.len() {
-            let Some(p) = self.pending.pop() else { break };
+        if self.pending.is_empty() {
+            return released;
+        }
+        for p in self.pending.take_all() {
             match p {
                 Pending::Slots {
                     class,
@@ -793,8 +802,8 @@ impl PoolShared {
     /// after their events on the device (no host sync).
     fn handover_slots(&self, class: usize, stream: &Stream) -> Option<u32> {
         let slot = stream.slot()? as usize;
-        for _ in 0..self.pending.len() {
-            let p = self.pending.pop()?;
+        let mut records = self.pending.take_all().into_iter();
+        while let Some(p) = records.next() {
             match p {
                 Pending::Slots {
                     class: c,
@@ -815,6 +824,9 @@ impl PoolShared {
                     self.counters.pending_slot_bytes.fetch_sub(bytes, Relaxed);
                     self.counters.handovers.fetch_add(1, Relaxed);
                     self.recycle_events(waits);
+                    for other in records {
+                        self.pending.push(other);
+                    }
                     let (first, rest) = slots.split_first()?;
                     self.slabs.push_dirty_many(class, slot, rest);
                     return Some(*first);
@@ -922,10 +934,7 @@ impl PoolShared {
             self.heap.lock().heap.release_quarantine(&gs);
             self.recycle_events(w);
         }
-        let mut records = Vec::new();
-        while let Some(p) = self.pending.pop() {
-            records.push(p);
-        }
+        let records = self.pending.take_all();
         let sync = |w: &Waits| -> Result<()> {
             for &e in &w.events {
                 self.backend.sync_event(self.dev, e)?;
@@ -1044,11 +1053,12 @@ impl PoolShared {
             num_frees: frees,
             num_device_allocs: device_allocs,
             num_device_frees: device_frees,
+            num_allocs_grown: c.grown.load(Relaxed),
             num_alloc_retries: c.retries.load(Relaxed),
             num_ooms: c.ooms.load(Relaxed),
             num_pending_frees: c.pending_frees.load(Relaxed),
             num_handovers: c.handovers.load(Relaxed),
-            host_syncs: self.backend.counters().host_syncs,
+            host_syncs: self.backend.counters().host_syncs_of(self.dev),
             fragmentation: if reserved == 0 {
                 0.0
             } else {
@@ -1088,10 +1098,7 @@ impl PoolShared {
                 self.slabs.push_dirty_many(class, s, &d);
             }
         }
-        let mut records = Vec::new();
-        while let Some(p) = self.pending.pop() {
-            records.push(p);
-        }
+        let records = self.pending.take_all();
         let mut check_records = || -> std::result::Result<(), String> {
             for p in &records {
                 match p {
@@ -1172,7 +1179,7 @@ impl Drop for PoolShared {
         let _ = self.sync_pending();
         let mut h = self.heap.lock();
         h.heap.teardown();
-        while let Some(p) = self.pending.pop() {
+        for p in self.pending.take_all() {
             match p {
                 Pending::Slots { waits, .. } => self.recycle_events(waits),
                 Pending::Group { .. } => {}
@@ -1180,10 +1187,10 @@ impl Drop for PoolShared {
         }
         for (_, w) in h.group_events.drain() {
             for e in w.events {
-                self.event_pool.push(e);
+                self.event_pool.lock().push(e);
             }
         }
-        while let Some(e) = self.event_pool.pop() {
+        for e in std::mem::take(&mut *self.event_pool.lock()) {
             let _ = self.backend.destroy_event(self.dev, e);
         }
     }

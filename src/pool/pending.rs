@@ -1,17 +1,21 @@
 //! Frees that wait on events before their memory may be reused by any stream.
 //!
 //! A record is created when a block used on several streams is freed
-//! (`record_stream`), when a stream's dirty slots are flushed so that other
-//! streams can use them, and when a stream goes away. Records sit on a
-//! lock-free queue; harvesting pops each once, queries its events without
-//! blocking, and releases the memory if all completed or pushes it back.
+//! (`record_stream`), when a stream's dirty memory is flushed so that other
+//! streams can use it, and when a stream goes away. Records sit on a
+//! [`PendingList`]; harvesting detaches the whole list, queries each
+//! record's events without blocking, releases the completed ones and pushes
+//! the rest back.
 
-use crate::ptr::EventHandle;
+use super::sync::{AtomicPtr, AtomicUsize};
+use crate::ptr::{EventHandle, StreamHandle};
+use std::ptr;
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 
 /// What a pending record holds back.
 #[derive(Debug)]
 pub(crate) enum Pending {
-    /// Small slots of one class, waiting on `events`.
+    /// Small slots of one class.
     Slots {
         /// Size class.
         class: u16,
@@ -37,5 +41,110 @@ pub(crate) struct Waits {
     pub events: Vec<EventHandle>,
     /// Streams whose event could not be recorded: only a host sync of the
     /// stream (in `trim`) can release the memory.
-    pub unrecorded: Vec<crate::ptr::StreamHandle>,
+    pub unrecorded: Vec<StreamHandle>,
+}
+
+struct Node<T> {
+    value: T,
+    next: *mut Node<T>,
+}
+
+/// A lock-free multi-producer list with whole-list removal.
+///
+/// `push` is a CAS loop on the head; `take_all` swaps the head with null
+/// and owns the detached chain. Nodes are never popped one at a time, so
+/// no thread can read a node another thread freed, and ABA cannot arise:
+/// a CAS in `push` only installs a node the pusher owns, linked to the head
+/// it saw, and a concurrent `take_all` makes that CAS fail.
+///
+/// Invariant (loom model in `tests/loom_pool.rs`): every pushed value is
+/// returned by exactly one `take_all` (or dropped with the list).
+pub(crate) struct PendingList<T> {
+    head: AtomicPtr<Node<T>>,
+    len: AtomicUsize,
+}
+
+// SAFETY: the list owns its values and hands each to exactly one thread
+// (`take_all`); sending it between threads sends the values.
+unsafe impl<T: Send> Send for PendingList<T> {}
+// SAFETY: all shared access goes through atomics; values move in and out
+// by ownership, never by shared reference.
+unsafe impl<T: Send> Sync for PendingList<T> {}
+
+impl<T> std::fmt::Debug for PendingList<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingList")
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+impl<T> Default for PendingList<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T> PendingList<T> {
+    /// An empty list.
+    pub(crate) fn new() -> Self {
+        PendingList {
+            head: AtomicPtr::new(ptr::null_mut()),
+            len: AtomicUsize::new(0),
+        }
+    }
+
+    /// Records on the list (approximate under concurrency).
+    pub(crate) fn len(&self) -> usize {
+        self.len.load(Relaxed)
+    }
+
+    /// Whether the list looked empty.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.head.load(Acquire).is_null()
+    }
+
+    /// Adds a value.
+    pub(crate) fn push(&self, value: T) {
+        let node = Box::into_raw(Box::new(Node {
+            value,
+            next: ptr::null_mut(),
+        }));
+        let mut head = self.head.load(Relaxed);
+        loop {
+            // SAFETY: `node` came from Box::into_raw above and is not yet
+            // shared: only this thread writes it until the CAS publishes it.
+            unsafe { (*node).next = head };
+            match self
+                .head
+                .compare_exchange_weak(head, node, Release, Relaxed)
+            {
+                Ok(_) => break,
+                Err(h) => head = h,
+            }
+        }
+        self.len.fetch_add(1, Relaxed);
+    }
+
+    /// Detaches every value, most recent first.
+    pub(crate) fn take_all(&self) -> Vec<T> {
+        let mut cur = self.head.swap(ptr::null_mut(), AcqRel);
+        let mut out = Vec::new();
+        while !cur.is_null() {
+            // SAFETY: the swap made this thread the only owner of the chain;
+            // each node was created by Box::into_raw in `push`, and its
+            // fields were published by the Release CAS (Acquire above).
+            let node = unsafe { Box::from_raw(cur) };
+            cur = node.next;
+            out.push(node.value);
+        }
+        self.len.fetch_sub(out.len(), Relaxed);
+        out
+    }
+}
+
+impl<T> Drop for PendingList<T> {
+    fn drop(&mut self) {
+        drop(self.take_all());
+    }
 }

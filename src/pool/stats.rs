@@ -45,6 +45,9 @@ pub struct PoolStats {
     pub num_frees: u64,
     /// Physical allocations from the device (chunks or segments).
     pub num_device_allocs: u64,
+    /// Allocations that needed new device memory (the rest were served
+    /// from memory the pool already held).
+    pub num_allocs_grown: u64,
     /// Physical frees to the device.
     pub num_device_frees: u64,
     /// Allocations that needed the reclaim path before succeeding or failing.
@@ -55,7 +58,7 @@ pub struct PoolStats {
     pub num_pending_frees: u64,
     /// Pending blocks handed to another stream with a stream-wait-event.
     pub num_handovers: u64,
-    /// Host-blocking syncs made by the backend so far (all callers).
+    /// Host-blocking syncs made on this device so far (by anyone).
     pub host_syncs: u64,
     /// `(reserved - allocated) / reserved`, 0 when nothing is reserved.
     pub fragmentation: f64,
@@ -85,6 +88,7 @@ pub(crate) struct Counters {
     pub ooms: AtomicU64,
     pub pending_frees: AtomicU64,
     pub handovers: AtomicU64,
+    pub grown: AtomicU64,
     /// Bytes of small slots on the pending list.
     pub pending_slot_bytes: AtomicU64,
 }
@@ -104,6 +108,7 @@ impl Counters {
             ooms: AtomicU64::new(0),
             pending_frees: AtomicU64::new(0),
             handovers: AtomicU64::new(0),
+            grown: AtomicU64::new(0),
             pending_slot_bytes: AtomicU64::new(0),
         }
     }

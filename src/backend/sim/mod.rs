@@ -3,11 +3,11 @@
 //! It is the test bed for everything the CPU machines can check, so it keeps
 //! CUDA's semantics rather than approximating them:
 //!
-//! * **Memory** ([`memory`]): physical chunks live in a per-device memfd and
+//! * **Memory** (`memory.rs`): physical chunks live in a per-device memfd and
 //!   are mapped into `PROT_NONE` reservations with `mmap(MAP_FIXED)`, so the
 //!   same chunk mapped at two addresses shows the same bytes, and unmapped
 //!   addresses really are inaccessible.
-//! * **Streams** ([`stream`]): each stream is a FIFO run by its own thread,
+//! * **Streams** (`stream.rs`): each stream is a FIFO run by its own thread,
 //!   with a configurable delay per operation; events complete exactly when
 //!   the work before them on their stream has run; waiting on an event
 //!   blocks only the waiting stream.
@@ -635,7 +635,7 @@ impl Backend for SimBackend {
 
     fn sync_event(&self, dev: usize, event: EventHandle) -> Result<()> {
         self.counters.count(Call::EventSynchronize);
-        self.counters.count_host_sync();
+        self.counters.count_host_sync(dev);
         let ev = self.event(dev, event)?;
         ev.wait_for(ev.current());
         Ok(())
@@ -656,7 +656,7 @@ impl Backend for SimBackend {
 
     fn sync_stream(&self, dev: usize, stream: StreamHandle) -> Result<()> {
         self.counters.count(Call::StreamSynchronize);
-        self.counters.count_host_sync();
+        self.counters.count_host_sync(dev);
         let st = self.stream(dev, stream)?;
         let marker = Arc::new(SimEvent::new(dev));
         let seq = marker.begin_record();
@@ -688,7 +688,7 @@ impl Backend for SimBackend {
 
     fn copy_to_host(&self, dev: usize, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
         self.counters.count(Call::MemcpyDtoH);
-        self.counters.count_host_sync();
+        self.counters.count_host_sync(dev);
         let mem = self.dev(dev)?.mem.read();
         mem.check_access(src.0, dst.len() as u64)?;
         if mem.is_backed() {
@@ -703,7 +703,7 @@ impl Backend for SimBackend {
 
     fn copy_from_host(&self, dev: usize, dst: DevicePtr, src: &[u8]) -> Result<()> {
         self.counters.count(Call::MemcpyHtoD);
-        self.counters.count_host_sync();
+        self.counters.count_host_sync(dev);
         let mem = self.dev(dev)?.mem.read();
         mem.check_access(dst.0, src.len() as u64)?;
         if mem.is_backed() {
