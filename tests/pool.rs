@@ -485,3 +485,77 @@ fn segment_fallback_works_without_vmm() {
     rt.trim().unwrap();
     assert_eq!(dev.stats().reserved_bytes.current, 0);
 }
+
+#[test]
+fn snapshot_covers_reserved_memory_and_live_blocks() {
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let (s, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    dev.record_history(true);
+    let blocks: Vec<_> = [300usize, 5000, 70_000, 3 << 20, 9 << 20, 1000]
+        .iter()
+        .map(|&n| dev.alloc(n, &s).unwrap())
+        .collect();
+    let raw = dev.alloc_raw(123_456, &s).unwrap();
+    let pending = dev.alloc(4096, &s).unwrap();
+    pending.record_stream(&s2);
+    dev.backend()
+        .as_any()
+        .downcast_ref::<SimBackend>()
+        .unwrap()
+        .stall_stream(0, s2.handle(), Duration::from_millis(100))
+        .unwrap();
+    drop(pending);
+    let snap = dev.snapshot();
+    let st = dev.stats();
+    let total: u64 = snap.segments.iter().map(|g| g.total_size).sum();
+    assert_eq!(
+        total, st.reserved_bytes.current,
+        "segments cover reserved memory"
+    );
+    let live: u64 = snap
+        .segments
+        .iter()
+        .flat_map(|g| &g.blocks)
+        .filter(|b| b.state == gpupool::pool::BlockState::ActiveAllocated)
+        .map(|b| b.requested_size)
+        .sum();
+    assert_eq!(live, st.allocated_bytes.current);
+    assert!(snap
+        .segments
+        .iter()
+        .flat_map(|g| &g.blocks)
+        .any(|b| b.state == gpupool::pool::BlockState::ActivePendingFree));
+    for g in &snap.segments {
+        let mut at = g.address;
+        for b in &g.blocks {
+            assert_eq!(b.address, at, "blocks tile their segment");
+            at += b.size;
+        }
+        assert_eq!(at, g.address + g.total_size);
+    }
+    assert!(
+        snap.segments.iter().any(|g| g.segment_type == "small")
+            && snap.segments.iter().any(|g| g.segment_type == "large")
+    );
+    let json = serde_json::to_string(&snap).unwrap();
+    assert!(json.contains("active_allocated"));
+    // History: 8 allocs and 1 free so far, in order.
+    let h = dev.history();
+    assert_eq!(
+        h.iter()
+            .filter(|e| e.action == gpupool::pool::HistoryAction::Alloc)
+            .count(),
+        8
+    );
+    assert_eq!(
+        h.iter()
+            .filter(|e| e.action == gpupool::pool::HistoryAction::FreeRequested)
+            .count(),
+        1
+    );
+    assert!(h.windows(2).all(|w| w[0].time_us <= w[1].time_us));
+    dev.free_raw(raw, &s).unwrap();
+    drop(blocks);
+    dev.audit().unwrap();
+}

@@ -1001,3 +1001,71 @@ impl Heap {
         }
     }
 }
+
+/// One piece of the heap's address space, for snapshots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Piece {
+    /// An allocated range (a large block or a slab).
+    Allocated,
+    /// A free range with its tag.
+    Free(Tag),
+}
+
+impl Heap {
+    /// Every backed piece of the address space in address order, free ranges
+    /// clipped to mapped memory, split into runs of adjacent backed memory
+    /// (one run per segment in segment mode).
+    pub(crate) fn layout(&self) -> Vec<Vec<(u64, u64, Piece)>> {
+        let mut items: Vec<(u64, u64, Piece)> = self
+            .allocated
+            .iter()
+            .map(|(&a, &l)| (a, l, Piece::Allocated))
+            .collect();
+        for (&a, r) in &self.by_addr {
+            for (s, l) in self.mapped_parts(a, r.len) {
+                items.push((s, l, Piece::Free(r.tag)));
+            }
+        }
+        items.sort_unstable_by_key(|i| i.0);
+        let mut runs: Vec<Vec<(u64, u64, Piece)>> = Vec::new();
+        for it in items {
+            match runs.last_mut() {
+                Some(run)
+                    if {
+                        let last = run.last().expect("runs are non-empty");
+                        last.0 + last.1 == it.0 && self.same_segment(last.0, it.0)
+                    } =>
+                {
+                    run.push(it)
+                }
+                _ => runs.push(vec![it]),
+            }
+        }
+        runs
+    }
+
+    /// The parts of `[addr, addr+len)` backed by physical memory.
+    fn mapped_parts(&self, addr: u64, len: u64) -> Vec<(u64, u64)> {
+        let Physical::Vmm { base, granules, .. } = &self.phys else {
+            return vec![(addr, len)];
+        };
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        let end = addr + len;
+        let mut g = (addr - base) / self.gran;
+        loop {
+            let gs = base + g * self.gran;
+            if gs >= end {
+                break;
+            }
+            if granules[g as usize].chunk.is_some() {
+                let (s, e) = (addr.max(gs), end.min(gs + self.gran));
+                match out.last_mut() {
+                    Some(last) if last.0 + last.1 == s => last.1 += e - s,
+                    _ => out.push((s, e - s)),
+                }
+            }
+            g += 1;
+        }
+        out
+    }
+}

@@ -21,11 +21,14 @@
 
 mod block;
 mod heap;
+mod inspect;
 #[cfg(all(test, loom))]
 mod loom_tests;
 mod pending;
+mod reclaim;
 mod size_class;
 mod small;
+mod snapshot;
 pub mod stack;
 mod stats;
 mod stream;
@@ -33,6 +36,7 @@ pub(crate) mod sync;
 
 pub use block::Block;
 pub use size_class::{SizeClasses, ALIGN};
+pub use snapshot::{BlockInfo, BlockState, HistoryAction, HistoryEvent, SegmentInfo, Snapshot};
 pub use stats::{PoolStats, Stat};
 pub use stream::Stream;
 
@@ -62,8 +66,8 @@ struct HeapState {
     group_events: HashMap<u32, Waits>,
     /// Slab ids free for reuse.
     free_slab_ids: Vec<u32>,
-    /// Requested bytes of raw large allocations, by address.
-    raw_large: HashMap<u64, u64>,
+    /// Live large blocks by address.
+    large: HashMap<u64, LargeLive>,
     /// Granules aliased by stitching, released when their event completes.
     quarantine: Vec<(Waits, Vec<u32>)>,
     /// Bytes of all slabs, and of slab tails no slot covers.
@@ -89,7 +93,18 @@ pub(crate) struct PoolShared {
     counters: Counters,
     /// Extra streams recorded for raw pointers (`gpupool_record_stream`).
     raw_streams: Mutex<HashMap<u64, Vec<StreamHandle>>>,
+    /// Whether alloc and free events are recorded (one relaxed load on the
+    /// fast path when off).
+    recording: AtomicBool,
+    history: Mutex<History>,
     shut: AtomicBool,
+}
+
+/// Recorded allocation events.
+#[derive(Debug, Default)]
+struct History {
+    events: Vec<HistoryEvent>,
+    start: Option<std::time::Instant>,
 }
 
 /// The memory pool of one device. See the module docs for the design.
@@ -97,6 +112,13 @@ pub(crate) struct PoolShared {
 pub struct DevicePool {
     shared: Arc<PoolShared>,
     default_stream: Stream,
+}
+
+/// A live large block.
+#[derive(Debug, Clone, Copy)]
+struct LargeLive {
+    requested: u64,
+    raw: bool,
 }
 
 /// Where a block's memory came from.
@@ -126,7 +148,7 @@ impl DevicePool {
                 heap,
                 group_events: HashMap::new(),
                 free_slab_ids: Vec::new(),
-                raw_large: HashMap::new(),
+                large: HashMap::new(),
                 quarantine: Vec::new(),
                 slab_bytes: 0,
                 slab_tail_bytes: 0,
@@ -137,6 +159,8 @@ impl DevicePool {
             streams: StreamRegistry::new(),
             counters: Counters::new(STREAM_SLOTS + 1),
             raw_streams: Mutex::new(HashMap::new()),
+            recording: AtomicBool::new(false),
+            history: Mutex::new(History::default()),
             shut: AtomicBool::new(false),
             backend,
             cfg,
@@ -194,25 +218,14 @@ impl DevicePool {
     /// Allocates `size` bytes for use on `stream`. The block is freed,
     /// stream-ordered, when dropped.
     pub fn alloc<'a>(&'a self, size: usize, stream: &'a Stream) -> Result<Block<'a>> {
-        let (ptr, kind) = self.shared.alloc(size as u64, stream)?;
+        let (ptr, kind) = self.shared.alloc(size as u64, stream, false)?;
         Ok(Block::new(self, stream, ptr, size, kind))
     }
 
     /// Allocates for a caller that keeps only the pointer (FFI style);
     /// release with [`DevicePool::free_raw`]. Raw blocks are never moved.
     pub fn alloc_raw(&self, size: usize, stream: &Stream) -> Result<DevicePtr> {
-        let (ptr, kind) = self.shared.alloc(size as u64, stream)?;
-        let mut h = self.shared.heap.lock();
-        match kind {
-            Kind::Small { idx, .. } => {
-                drop(h);
-                self.shared.slabs.mark_raw(idx, size as u64);
-            }
-            Kind::Large { .. } => {
-                h.raw_large.insert(ptr.addr(), size as u64);
-            }
-        }
-        Ok(ptr)
+        Ok(self.shared.alloc(size as u64, stream, true)?.0)
     }
 
     /// Frees a pointer from [`DevicePool::alloc_raw`], ordered after the
@@ -266,6 +279,28 @@ impl DevicePool {
     /// description of the first violation.
     pub fn audit(&self) -> std::result::Result<PoolStats, String> {
         self.shared.audit()
+    }
+
+    /// The pool's memory now, in PyTorch's snapshot layout (segments
+    /// holding blocks), with the recorded history. Exact while no other
+    /// thread uses the pool; a diagnostic, not a fast call.
+    pub fn snapshot(&self) -> Snapshot {
+        self.shared.snapshot()
+    }
+
+    /// Turns recording of alloc/free events on (clearing earlier ones) or off.
+    pub fn record_history(&self, on: bool) {
+        let mut h = self.shared.history.lock();
+        if on {
+            h.events.clear();
+            h.start = Some(std::time::Instant::now());
+        }
+        self.shared.recording.store(on, Relaxed);
+    }
+
+    /// The events recorded so far.
+    pub fn history(&self) -> Vec<HistoryEvent> {
+        self.shared.history()
     }
 
     /// Marks the pool shut down: later calls fail with [`Error::Shutdown`].
@@ -336,7 +371,7 @@ impl PoolShared {
 
     // ---- allocation ---------------------------------------------------------------
 
-    fn alloc(&self, size: u64, stream: &Stream) -> Result<(DevicePtr, Kind)> {
+    fn alloc(&self, size: u64, stream: &Stream, raw: bool) -> Result<(DevicePtr, Kind)> {
         self.check_live()?;
         self.check_stream(stream)?;
         self.check_size(size)?;
@@ -348,6 +383,10 @@ impl PoolShared {
                     None => self.alloc_small_slow(class, size, stream)?,
                 };
                 let s = self.slabs.slot(idx);
+                self.slabs.set_requested(idx, size);
+                if raw {
+                    self.slabs.mark_raw(idx);
+                }
                 (
                     DevicePtr(s.addr),
                     Kind::Small {
@@ -359,11 +398,18 @@ impl PoolShared {
             }
             None => {
                 let len = round_large(size);
-                let addr = self.alloc_large(len, size, stream)?;
+                let live = LargeLive {
+                    requested: size,
+                    raw,
+                };
+                let addr = self.alloc_large(len, live, stream)?;
                 (DevicePtr(addr), Kind::Large { len }, len)
             }
         };
         self.counters.on_alloc(Self::shard(slot), size, rounded);
+        if self.recording.load(Relaxed) {
+            self.record(HistoryAction::Alloc, ptr.addr(), size, stream.handle());
+        }
         Ok((ptr, kind))
     }
 
@@ -432,11 +478,15 @@ impl PoolShared {
         Ok(Some(*first))
     }
 
-    fn alloc_large(&self, len: u64, size: u64, stream: &Stream) -> Result<u64> {
+    fn alloc_large(&self, len: u64, live: LargeLive, stream: &Stream) -> Result<u64> {
+        let size = live.requested;
         {
             let mut h = self.heap.lock();
             match self.heap_alloc(&mut h, len, ALIGN, stream, false) {
-                Ok(t) => return Ok(t.addr),
+                Ok(t) => {
+                    h.large.insert(t.addr, live);
+                    return Ok(t.addr);
+                }
                 Err(e) if !e.is_oom() => return Err(e),
                 Err(_) => {}
             }
@@ -446,7 +496,10 @@ impl PoolShared {
         self.reclaim();
         let mut h = self.heap.lock();
         match self.heap_alloc(&mut h, len, ALIGN, stream, self.cfg.handover) {
-            Ok(t) => Ok(t.addr),
+            Ok(t) => {
+                h.large.insert(t.addr, live);
+                Ok(t.addr)
+            }
             Err(e) if e.is_oom() => {
                 drop(h);
                 Err(self.oom(size))
@@ -511,6 +564,18 @@ impl PoolShared {
     // ---- freeing ------------------------------------------------------------------------
 
     /// Frees a block allocated on `stream` and also used on `extra` streams.
+    fn record(&self, action: HistoryAction, addr: u64, size: u64, stream: StreamHandle) {
+        let mut h = self.history.lock();
+        let time_us = h.start.map_or(0, |t| t.elapsed().as_micros() as u64);
+        h.events.push(HistoryEvent {
+            action,
+            addr,
+            size,
+            stream: stream.raw(),
+            time_us,
+        });
+    }
+
     pub(crate) fn free_block(
         &self,
         ptr: DevicePtr,
@@ -519,6 +584,14 @@ impl PoolShared {
         stream: &Stream,
         extra: &[StreamHandle],
     ) {
+        if self.recording.load(Relaxed) {
+            self.record(
+                HistoryAction::FreeRequested,
+                ptr.addr(),
+                requested,
+                stream.handle(),
+            );
+        }
         let slot = stream.slot();
         match kind {
             Kind::Small { idx, class } => {
@@ -537,6 +610,7 @@ impl PoolShared {
                 self.counters.on_free(Self::shard(slot), requested, len);
                 let addr = ptr.addr();
                 let mut h = self.heap.lock();
+                h.large.remove(&addr);
                 match slot {
                     Some(s) if extra.is_empty() => {
                         h.heap
@@ -624,10 +698,13 @@ impl PoolShared {
                     device: self.dev,
                 });
             };
-            let requested = self.slabs.unmark_raw(slot.idx).ok_or(Error::DoubleFree {
-                ptr: addr,
-                device: self.dev,
-            })?;
+            if !self.slabs.unmark_raw(slot.idx) {
+                return Err(Error::DoubleFree {
+                    ptr: addr,
+                    device: self.dev,
+                });
+            }
+            let requested = self.slabs.requested(slot.idx);
             let kind = Kind::Small {
                 idx: slot.idx,
                 class: slot.class as u16,
@@ -636,16 +713,20 @@ impl PoolShared {
             return Ok(());
         }
         let (requested, len) = {
-            let mut h = self.heap.lock();
-            let Some(requested) = h.raw_large.remove(&addr) else {
-                return Err(if h.heap.allocated_len(addr).is_some() {
-                    Error::InvalidArgument(format!("{addr:#x} is a block, not a raw allocation"))
-                } else {
-                    Error::UnknownPointer {
+            let h = self.heap.lock();
+            let requested = match h.large.get(&addr) {
+                Some(l) if l.raw => l.requested,
+                Some(_) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{addr:#x} is a block, not a raw allocation"
+                    )))
+                }
+                None => {
+                    return Err(Error::UnknownPointer {
                         ptr: addr,
                         device: self.dev,
-                    }
-                });
+                    })
+                }
             };
             (
                 requested,
@@ -673,9 +754,14 @@ impl PoolShared {
             return self
                 .slabs
                 .is_raw_live(slot.idx)
-                .then(|| self.slabs.raw_requested(slot.idx));
+                .then(|| self.slabs.requested(slot.idx));
         }
-        self.heap.lock().raw_large.get(&addr).copied()
+        self.heap
+            .lock()
+            .large
+            .get(&addr)
+            .filter(|l| l.raw)
+            .map(|l| l.requested)
     }
 
     fn record_stream_raw(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
@@ -693,325 +779,6 @@ impl PoolShared {
             v.push(stream.handle());
         }
         Ok(())
-    }
-
-    // ---- pending frees ---------------------------------------------------------------------
-
-    /// Whether everything in `w` completed (never, while a stream is unrecorded).
-    fn waits_done(&self, w: &Waits) -> bool {
-        w.unrecorded.is_empty()
-            && w.events
-                .iter()
-                .all(|&e| match self.backend.query_event(self.dev, e) {
-                    Ok(done) => done,
-                    Err(err) => {
-                        tracing::warn!(device = self.dev, "cuEventQuery failed: {err}");
-                        false
-                    }
-                })
-    }
-
-    fn recycle_events(&self, w: Waits) {
-        for e in w.events {
-            self.event_pool.lock().push(e);
-        }
-    }
-
-    /// Orders `stream` after everything in `w` on the device.
-    fn wait_on(&self, stream: &Stream, w: &Waits) -> Result<()> {
-        if !w.unrecorded.is_empty() {
-            return Err(Error::InvalidArgument(
-                "memory with unrecorded uses cannot be handed over".into(),
-            ));
-        }
-        for &e in &w.events {
-            self.backend
-                .stream_wait_event(self.dev, stream.handle(), e)?;
-        }
-        Ok(())
-    }
-
-    /// Releases every pending record whose events completed, without blocking.
-    fn harvest(&self) -> usize {
-        let mut released = self.harvest_quarantine();
-        if self.pending.is_empty() {
-            return released;
-        }
-        for p in self.pending.take_all() {
-            match p {
-                Pending::Slots {
-                    class,
-                    slots,
-                    waits,
-                    bytes,
-                } => {
-                    if self.waits_done(&waits) {
-                        self.slabs.push_clean(class as usize, &slots);
-                        self.counters.pending_slot_bytes.fetch_sub(bytes, Relaxed);
-                        self.recycle_events(waits);
-                        released += 1;
-                    } else {
-                        self.pending.push(Pending::Slots {
-                            class,
-                            slots,
-                            waits,
-                            bytes,
-                        });
-                    }
-                }
-                Pending::Group { id } => {
-                    let mut h = self.heap.lock();
-                    let done = h.group_events.get(&id).is_none_or(|w| self.waits_done(w));
-                    if done {
-                        h.heap.complete_pending(id);
-                        if let Some(w) = h.group_events.remove(&id) {
-                            self.recycle_events(w);
-                        }
-                        released += 1;
-                    } else {
-                        drop(h);
-                        self.pending.push(Pending::Group { id });
-                    }
-                }
-            }
-        }
-        released
-    }
-
-    /// Unmaps aliased granules whose old uses completed.
-    fn harvest_quarantine(&self) -> usize {
-        let mut h = self.heap.lock();
-        if h.quarantine.is_empty() {
-            return 0;
-        }
-        let q = std::mem::take(&mut h.quarantine);
-        let mut released = 0;
-        for (w, gs) in q {
-            if self.waits_done(&w) {
-                h.heap.release_quarantine(&gs);
-                self.recycle_events(w);
-                released += 1;
-            } else {
-                h.quarantine.push((w, gs));
-            }
-        }
-        released
-    }
-
-    /// Takes pending slots of `class` for `stream` by ordering the stream
-    /// after their events on the device (no host sync).
-    fn handover_slots(&self, class: usize, stream: &Stream) -> Option<u32> {
-        let slot = stream.slot()? as usize;
-        let mut records = self.pending.take_all().into_iter();
-        while let Some(p) = records.next() {
-            match p {
-                Pending::Slots {
-                    class: c,
-                    slots,
-                    waits,
-                    bytes,
-                } if c as usize == class && waits.unrecorded.is_empty() => {
-                    if let Err(e) = self.wait_on(stream, &waits) {
-                        tracing::warn!(device = self.dev, "handover failed: {e}");
-                        self.pending.push(Pending::Slots {
-                            class: c,
-                            slots,
-                            waits,
-                            bytes,
-                        });
-                        continue;
-                    }
-                    self.counters.pending_slot_bytes.fetch_sub(bytes, Relaxed);
-                    self.counters.handovers.fetch_add(1, Relaxed);
-                    self.recycle_events(waits);
-                    for other in records {
-                        self.pending.push(other);
-                    }
-                    let (first, rest) = slots.split_first()?;
-                    self.slabs.push_dirty_many(class, slot, rest);
-                    return Some(*first);
-                }
-                other => self.pending.push(other),
-            }
-        }
-        None
-    }
-
-    /// Moves the memory that stream slot `slot` freed onto the pending list,
-    /// with one event recorded on that stream, so that other streams can
-    /// reuse it once the event completes.
-    fn flush_slot(&self, slot: usize, handle: StreamHandle) {
-        for class in 0..self.slabs.classes.len() {
-            let idxs = self.slabs.take_dirty(class, slot);
-            if !idxs.is_empty() {
-                self.park_slots(class, idxs, handle, &[]);
-            }
-        }
-        let mut h = self.heap.lock();
-        if let Some((id, _)) = h.heap.flush_dirty(slot as u16) {
-            let waits = self.record_events(handle, &[]);
-            h.group_events.insert(id, waits);
-            drop(h);
-            self.pending.push(Pending::Group { id });
-        }
-    }
-
-    /// Makes free memory reusable across streams and classes: flushes every
-    /// stream's dirty memory (the requester gets its own back by handover),
-    /// harvests, and retires empty slabs.
-    fn reclaim(&self) {
-        for slot in 0..STREAM_SLOTS {
-            if let Some(h) = self.streams.handle(slot) {
-                self.flush_slot(slot, h);
-            }
-        }
-        self.harvest();
-        self.retire_empty_slabs();
-    }
-
-    /// Returns every slab whose slots are all on its class's clean stack to
-    /// the heap.
-    fn retire_empty_slabs(&self) -> u64 {
-        let mut h = self.heap.lock();
-        let mut freed = 0;
-        for class in 0..self.slabs.classes.len() {
-            let clean = self.slabs.take_clean(class);
-            if clean.is_empty() {
-                continue;
-            }
-            let mut per_slab: HashMap<u32, Vec<u32>> = HashMap::new();
-            for idx in clean {
-                per_slab
-                    .entry(self.slabs.slab_of(idx))
-                    .or_default()
-                    .push(idx);
-            }
-            let mut keep = Vec::new();
-            for (id, idxs) in per_slab {
-                let (base, c, n) = self.slabs.slab_info(id);
-                if idxs.len() as u32 == n && c == class {
-                    self.slab_index.write().remove(&base);
-                    self.slabs.retire(id);
-                    h.free_slab_ids.push(id);
-                    h.heap
-                        .free(base, Tag::Clean)
-                        .expect("slabs are allocated ranges");
-                    h.slab_bytes -= self.slabs.slab_bytes;
-                    h.slab_tail_bytes -= self.slabs.tail_bytes(class);
-                    freed += self.slabs.slab_bytes;
-                } else {
-                    keep.extend(idxs);
-                }
-            }
-            self.slabs.push_clean(class, &keep);
-        }
-        freed
-    }
-
-    fn trim(&self) -> Result<u64> {
-        self.check_live()?;
-        for slot in 0..STREAM_SLOTS {
-            if let Some(h) = self.streams.handle(slot) {
-                self.flush_slot(slot, h);
-            }
-        }
-        self.sync_pending()?;
-        self.harvest();
-        self.retire_empty_slabs();
-        Ok(self.heap.lock().heap.release_cached())
-    }
-
-    /// Blocks until every pending record's uses completed (trim and teardown only).
-    fn sync_pending(&self) -> Result<()> {
-        let q = std::mem::take(&mut self.heap.lock().quarantine);
-        for (w, gs) in q {
-            for &e in &w.events {
-                self.backend.sync_event(self.dev, e)?;
-            }
-            for &s in &w.unrecorded {
-                self.backend.sync_stream(self.dev, s)?;
-            }
-            self.heap.lock().heap.release_quarantine(&gs);
-            self.recycle_events(w);
-        }
-        let records = self.pending.take_all();
-        let sync = |w: &Waits| -> Result<()> {
-            for &e in &w.events {
-                self.backend.sync_event(self.dev, e)?;
-            }
-            for &s in &w.unrecorded {
-                self.backend.sync_stream(self.dev, s)?;
-            }
-            Ok(())
-        };
-        let mut result = Ok(());
-        for p in records {
-            let r = match &p {
-                Pending::Slots { waits, .. } => sync(waits).map(|()| {
-                    let Pending::Slots { waits, .. } = &p else {
-                        unreachable!()
-                    };
-                    waits.clone()
-                }),
-                Pending::Group { id } => {
-                    let h = self.heap.lock();
-                    let w = h.group_events.get(id).cloned().unwrap_or_default();
-                    drop(h);
-                    sync(&w).map(|()| w)
-                }
-            };
-            match r {
-                Ok(_) => {
-                    // Done: strip unrecorded streams (now synced) so harvest releases it.
-                    self.pending.push(Self::mark_synced(p, &self.heap));
-                }
-                Err(e) => {
-                    self.pending.push(p);
-                    result = Err(e);
-                }
-            }
-        }
-        result
-    }
-
-    fn mark_synced(p: Pending, heap: &Mutex<HeapState>) -> Pending {
-        match p {
-            Pending::Slots {
-                class,
-                slots,
-                mut waits,
-                bytes,
-            } => {
-                waits.unrecorded.clear();
-                Pending::Slots {
-                    class,
-                    slots,
-                    waits,
-                    bytes,
-                }
-            }
-            Pending::Group { id } => {
-                if let Some(w) = heap.lock().group_events.get_mut(&id) {
-                    w.unrecorded.clear();
-                }
-                Pending::Group { id }
-            }
-        }
-    }
-
-    /// A stream is going away: park what it freed, then destroy it if owned.
-    pub(crate) fn retire_stream(&self, handle: StreamHandle, slot: Option<u16>, owned: bool) {
-        if let Some(s) = slot {
-            self.flush_slot(s as usize, handle);
-            if owned {
-                self.streams.release(s);
-            }
-        }
-        if owned {
-            if let Err(e) = self.backend.destroy_stream(self.dev, handle) {
-                tracing::warn!(device = self.dev, "cuStreamDestroy failed: {e}");
-            }
-        }
     }
 
     // ---- observability -----------------------------------------------------------------
@@ -1065,110 +832,6 @@ impl PoolShared {
                 (reserved - allocated.min(reserved)) as f64 / reserved as f64
             },
         }
-    }
-
-    fn audit(&self) -> std::result::Result<PoolStats, String> {
-        let h = self.heap.lock();
-        h.heap.check()?;
-        let f = h.heap.figures();
-        // Every free slot: on exactly one stack or pending record.
-        let mut seen: HashMap<u32, &'static str> = HashMap::new();
-        let mut free_slot_bytes = 0u64;
-        let mut pending_slot_bytes = 0u64;
-        let mut note = |idx: u32, place: &'static str| -> std::result::Result<(), String> {
-            match seen.insert(idx, place) {
-                Some(other) => Err(format!("slot {idx} is both on {other} and on {place}")),
-                None => Ok(()),
-            }
-        };
-        for class in 0..self.slabs.classes.len() {
-            let size = self.slabs.classes.size_of(class);
-            let clean = self.slabs.take_clean(class);
-            for &i in &clean {
-                note(i, "a clean stack")?;
-                free_slot_bytes += size;
-            }
-            self.slabs.push_clean(class, &clean);
-            for s in 0..STREAM_SLOTS {
-                let d = self.slabs.take_dirty(class, s);
-                for &i in &d {
-                    note(i, "a dirty stack")?;
-                    free_slot_bytes += size;
-                }
-                self.slabs.push_dirty_many(class, s, &d);
-            }
-        }
-        let records = self.pending.take_all();
-        let mut check_records = || -> std::result::Result<(), String> {
-            for p in &records {
-                match p {
-                    Pending::Slots {
-                        class,
-                        slots,
-                        bytes,
-                        ..
-                    } => {
-                        for &i in slots {
-                            note(i, "the pending list")?;
-                        }
-                        let b = slots.len() as u64 * self.slabs.classes.size_of(*class as usize);
-                        if b != *bytes {
-                            return Err(format!("pending record claims {bytes} B, holds {b} B"));
-                        }
-                        pending_slot_bytes += b;
-                    }
-                    Pending::Group { id } => {
-                        if !h.group_events.contains_key(id) {
-                            return Err(format!("pending group {id} has no events"));
-                        }
-                    }
-                }
-            }
-            Ok(())
-        };
-        let r = check_records();
-        for p in records {
-            self.pending.push(p);
-        }
-        r?;
-        for (&i, _) in seen.iter() {
-            let (base, _, _) = self.slabs.slab_info(self.slabs.slab_of(i));
-            if base == 0 {
-                return Err(format!("slot {i} of a retired slab is still free-listed"));
-            }
-        }
-        // Live slot bytes = slab bytes - free - pending - tails.
-        let live_slots = h.slab_bytes - free_slot_bytes - pending_slot_bytes - h.slab_tail_bytes;
-        let large_live = f.allocated - h.slab_bytes;
-        let (allocated, active, _, _) = self.counters.totals();
-        drop(h);
-        if active != large_live + live_slots {
-            return Err(format!(
-                "active counter {active} != live large ranges {large_live} + live slots {live_slots}"
-            ));
-        }
-        if allocated > active {
-            return Err(format!("allocated {allocated} exceeds active {active}"));
-        }
-        if pending_slot_bytes != self.counters.pending_slot_bytes.load(Relaxed) {
-            return Err("pending slot byte counter drifted".into());
-        }
-        let stats = self.stats();
-        let cached = f.free_clean + f.free_dirty + f.spare + free_slot_bytes;
-        let sum = stats.active_bytes.current
-            + stats.pending_bytes.current
-            + cached
-            + stats.overhead_bytes;
-        if sum != stats.reserved_bytes.current || cached != stats.cached_bytes.current {
-            return Err(format!(
-                "reserved {} != active {} + pending {} + cached {cached} + overhead {}",
-                stats.reserved_bytes.current,
-                stats.active_bytes.current,
-                stats.pending_bytes.current,
-                stats.overhead_bytes
-            ));
-        }
-        Ok(stats)
     }
 }
 

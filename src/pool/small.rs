@@ -24,7 +24,7 @@ use std::sync::OnceLock;
 #[derive(Debug)]
 struct SlabArrays {
     next: Box<[AtomicU32]>,
-    /// Requested bytes of raw allocations (for stats at raw free).
+    /// Requested bytes of the block at each slot (stats, snapshots).
     requested: Box<[AtomicU32]>,
     /// Raw allocations live in this slab, one bit per slot.
     raw_live: Box<[AtomicU64]>,
@@ -249,27 +249,31 @@ impl Slabs {
         (a, (idx % self.max_slots) as usize)
     }
 
-    /// Marks a raw allocation live, remembering its requested size.
-    pub(crate) fn mark_raw(&self, idx: u32, requested: u64) {
+    /// Remembers the requested size of the block at this slot.
+    #[inline]
+    pub(crate) fn set_requested(&self, idx: u32, requested: u64) {
         let (a, s) = self.arrays(idx);
         a.requested[s].store(requested as u32, Relaxed);
+    }
+
+    /// Requested size of the block last allocated at this slot.
+    pub(crate) fn requested(&self, idx: u32) -> u64 {
+        let (a, s) = self.arrays(idx);
+        a.requested[s].load(Relaxed) as u64
+    }
+
+    /// Marks a raw allocation live.
+    pub(crate) fn mark_raw(&self, idx: u32) {
+        let (a, s) = self.arrays(idx);
         a.raw_live[s / 64].fetch_or(1 << (s % 64), AcqRel);
     }
 
-    /// Clears a raw allocation's live bit; `None` if it was not live (double
-    /// free, or a pointer the raw API did not hand out). Returns the
-    /// requested size.
-    pub(crate) fn unmark_raw(&self, idx: u32) -> Option<u64> {
+    /// Clears a raw allocation's live bit; `false` if it was not live
+    /// (double free, or a pointer the raw API did not hand out).
+    pub(crate) fn unmark_raw(&self, idx: u32) -> bool {
         let (a, s) = self.arrays(idx);
         let bit = 1u64 << (s % 64);
-        let old = a.raw_live[s / 64].fetch_and(!bit, AcqRel);
-        (old & bit != 0).then(|| a.requested[s].load(Relaxed) as u64)
-    }
-
-    /// Requested size recorded for a raw allocation at this slot.
-    pub(crate) fn raw_requested(&self, idx: u32) -> u64 {
-        let (a, s) = self.arrays(idx);
-        a.requested[s].load(Relaxed) as u64
+        a.raw_live[s / 64].fetch_and(!bit, AcqRel) & bit != 0
     }
 
     /// Whether a raw allocation is live at this slot.
