@@ -182,6 +182,11 @@ impl Heap {
         Ok(heap)
     }
 
+        /// Physical bytes held.
+    pub(crate) fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
     // ---- free-range bookkeeping ----------------------------------------------
 
     fn index_insert(&mut self, addr: u64, r: FreeRange) {

@@ -250,6 +250,11 @@ impl DevicePool {
         self.shared.stats()
     }
 
+        /// Device memory held now (cheaper than [`DevicePool::stats`]).
+    pub fn reserved_bytes(&self) -> u64 {
+        self.shared.heap.lock().heap.reserved()
+    }
+
     /// Resets peaks to the current values.
     pub fn reset_peak_stats(&self) {
         let s = self.stats();
@@ -521,8 +526,9 @@ impl PoolShared {
     ) -> Result<heap::Taken> {
         let device_allocs = h.heap.device_allocs;
         let r = h.heap.alloc(len, align, stream.slot(), pending_ok);
-        if h.heap.device_allocs != device_allocs {
+                if h.heap.device_allocs != device_allocs {
             self.counters.grown.fetch_add(1, Relaxed);
+            self.counters.peak_reserved.fetch_max(h.heap.reserved(), Relaxed);
         }
         let q = h.heap.take_quarantine();
         if !q.is_empty() {

@@ -64,6 +64,8 @@ use std::path::Path;
 use crate::{Error, Result};
 
 mod lifetimes;
+pub mod plot;
+pub mod replay;
 mod rmm;
 mod torch;
 

@@ -1,0 +1,187 @@
+//! Replaying a trace through a real [`DevicePool`] on the simulator.
+//!
+//! Every allocation of the trace is served by the pool exactly as a live
+//! program's would be (same sizes, same order, same streams); frees are
+//! stream-ordered on the stream the trace names. The simulator runs in
+//! accounting mode (no host memory behind the device), so traces of tens of
+//! GB replay on a laptop. The figures: peak live bytes (sum of requested
+//! sizes), peak reserved bytes (device memory the pool held), and the
+//! overhead `peak_reserved / peak_live - 1`, beside the original
+//! allocator's peak reserved bytes where the trace carries them.
+
+use super::{Trace, TraceEvent};
+use crate::backend::sim::{SimBacking, SimConfig};
+use crate::config::{BackendKind, PoolConfig};
+use crate::error::{Error, Result};
+use crate::pool::{Block, DevicePool, Stream};
+use crate::runtime::Runtime;
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// The original allocator's figure, where the trace has it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Baseline {
+    /// Who produced it (`"pytorch"`).
+    pub source: &'static str,
+    /// Its peak reserved bytes.
+    pub peak_reserved_bytes: u64,
+}
+
+/// The outcome of replaying one trace (the JSON shape of `gpupool replay`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ReplayReport {
+    /// Trace name.
+    pub name: String,
+    /// `torch-snapshot`, `rmm-log` or `lifetimes`.
+    pub format: &'static str,
+    /// Events replayed.
+    pub events: u64,
+    /// Allocations.
+    pub allocs: u64,
+    /// Frees.
+    pub frees: u64,
+    /// Peak of the sum of requested sizes of live blocks.
+    pub peak_live_bytes: u64,
+    /// Peak device memory held by the pool.
+    pub peak_reserved_bytes: u64,
+    /// `peak_reserved_bytes / peak_live_bytes - 1`.
+    pub overhead: f64,
+    /// The original allocator's figure, where known.
+    pub baseline: Option<Baseline>,
+    /// The baseline's overhead over the same peak live bytes.
+    pub baseline_overhead: Option<f64>,
+    /// Replay speed (events per second of pool time).
+    pub events_per_sec: f64,
+    /// Allocations the pool refused (out of memory); should be 0.
+    pub failed_allocs: u64,
+    /// Samples of (event index, live bytes, reserved bytes) for plotting;
+    /// empty unless asked for.
+    #[serde(skip)]
+    pub samples: Vec<(u64, u64, u64)>,
+}
+
+/// How to replay.
+#[derive(Debug, Clone)]
+pub struct ReplayOptions {
+    /// Pool configuration (the backend part is ignored: replays always run
+    /// on an accounting-mode simulator).
+    pub config: PoolConfig,
+    /// Take about this many (live, reserved) samples for a plot (0: none).
+    pub samples: usize,
+    /// Timed repetitions; the fastest counts (the machines are noisy).
+    pub repeats: usize,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        ReplayOptions { config: PoolConfig::default(), samples: 0, repeats: 3 }
+    }
+}
+
+/// Device capacity for a replay: room for the trace with headroom, so that
+/// the replay measures placement, not the capacity limit.
+fn capacity_for(trace: &Trace) -> u64 {
+    let peak = trace.peak_live_bytes().max(1 << 30);
+    (peak * 2).next_power_of_two()
+}
+
+/// Replays `trace`; see the module docs.
+pub fn replay(trace: &Trace, opts: &ReplayOptions) -> Result<ReplayReport> {
+    let mut best: Option<ReplayReport> = None;
+    for rep in 0..opts.repeats.max(1) {
+        let samples = if rep == 0 { opts.samples } else { 0 };
+        let r = replay_once(trace, opts, samples)?;
+        best = Some(match best {
+            None => r,
+            Some(mut b) => {
+                b.events_per_sec = b.events_per_sec.max(r.events_per_sec);
+                b
+            }
+        });
+    }
+    Ok(best.expect("at least one repetition"))
+}
+
+fn replay_once(trace: &Trace, opts: &ReplayOptions, samples: usize) -> Result<ReplayReport> {
+    let sim = SimConfig {
+        devices: 1,
+        capacity_bytes: capacity_for(trace),
+        backing: SimBacking::Accounting,
+        ..opts.config.sim.clone()
+    };
+    let rt = Runtime::builder().backend(BackendKind::Sim(sim)).config(opts.config.clone()).build()?;
+    let pool = rt.device(0)?;
+    let mut stream_ids: Vec<u64> = trace.events.iter().map(TraceEvent::stream).collect();
+    stream_ids.sort_unstable();
+    stream_ids.dedup();
+    let streams: Vec<Stream> = stream_ids.iter().map(|_| pool.new_stream()).collect::<Result<_>>()?;
+    let stream_of: HashMap<u64, usize> = stream_ids.iter().enumerate().map(|(i, &s)| (s, i)).collect();
+    let ev_stream: Vec<usize> = trace.events.iter().map(|e| stream_of[&e.stream()]).collect();
+    run_events(trace, pool, &streams, &ev_stream, samples)
+}
+
+fn run_events(
+    trace: &Trace,
+    pool: &DevicePool,
+    streams: &[Stream],
+    ev_stream: &[usize],
+    samples: usize,
+) -> Result<ReplayReport> {
+    let mut blocks: Vec<Option<Block<'_>>> = (0..trace.id_bound()).map(|_| None).collect();
+    let every = if samples == 0 { u64::MAX } else { (trace.events.len() as u64 / samples as u64).max(1) };
+    let (mut live, mut peak_live, mut failed) = (0u64, 0u64, 0u64);
+    let mut sampled = Vec::new();
+    let t = Instant::now();
+    for (i, ev) in trace.events.iter().enumerate() {
+        match *ev {
+            TraceEvent::Alloc { id, size, .. } => match pool.alloc(size as usize, &streams[ev_stream[i]]) {
+                Ok(b) => {
+                    blocks[id as usize] = Some(b);
+                    live += size;
+                    peak_live = peak_live.max(live);
+                }
+                Err(e) if e.is_oom() => failed += 1,
+                Err(e) => return Err(e),
+            },
+            TraceEvent::Free { id, .. } => {
+                if let Some(b) = blocks[id as usize].take() {
+                    live -= b.size() as u64;
+                }
+            }
+        }
+        if i as u64 % every == 0 {
+            sampled.push((i as u64, live, pool.reserved_bytes()));
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    drop(blocks);
+    let st = pool.stats();
+    let peak_reserved = st.reserved_bytes.peak;
+    let baseline = trace.baseline_peak_reserved.map(|b| Baseline { source: "pytorch", peak_reserved_bytes: b });
+    let ratio = |r: u64| if peak_live == 0 { 0.0 } else { r as f64 / peak_live as f64 - 1.0 };
+    Ok(ReplayReport {
+        name: trace.name.clone(),
+        format: trace.format.as_str(),
+        events: trace.events.len() as u64,
+        allocs: trace.allocs() as u64,
+        frees: trace.frees() as u64,
+        peak_live_bytes: peak_live,
+        peak_reserved_bytes: peak_reserved,
+        overhead: ratio(peak_reserved),
+        baseline_overhead: baseline.as_ref().map(|b| ratio(b.peak_reserved_bytes)),
+        baseline,
+        events_per_sec: trace.events.len() as f64 / secs.max(1e-9),
+        failed_allocs: failed,
+        samples: sampled,
+    })
+}
+
+/// Replays a trace file (any format; PyTorch snapshots with several devices
+/// give one report per device).
+pub fn replay_file(path: &std::path::Path, opts: &ReplayOptions) -> Result<Vec<ReplayReport>> {
+    let traces = super::read_file_all(path)?;
+    if traces.is_empty() {
+        return Err(Error::Trace { file: path.display().to_string(), msg: "no events".into() });
+    }
+    traces.iter().map(|t| replay(t, opts)).collect()
+}
