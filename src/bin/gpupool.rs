@@ -211,8 +211,8 @@ fn replay(files: &[std::path::PathBuf], json: bool, plot: Option<&std::path::Pat
         return Ok(());
     }
     println!(
-        "{:<28} {:>8} {:>16} {:>16} {:>9} {:>16} {:>9} {:>12}",
-        "trace", "events", "peak live", "gpupool reserved", "overhead", "baseline reserved", "baseline", "events/s"
+                "{:<28} {:>8} {:>16} {:>16} {:>9} {:>17} {:>9} {:>12} {:>12}",
+        "trace", "events", "peak live", "gpupool reserved", "overhead", "baseline reserved", "baseline", "events/s", "cold ev/s"
     );
     for r in &reports {
         let (b, bo) = match (&r.baseline, r.baseline_overhead) {
@@ -220,8 +220,16 @@ fn replay(files: &[std::path::PathBuf], json: bool, plot: Option<&std::path::Pat
             _ => ("-".into(), "-".into()),
         };
         println!(
-            "{:<28} {:>8} {:>16} {:>16} {:>8.2}% {:>16} {:>9} {:>12.0}",
-            r.name, r.events, r.peak_live_bytes, r.peak_reserved_bytes, r.overhead * 100.0, b, bo, r.events_per_sec
+                        "{:<28} {:>8} {:>16} {:>16} {:>8.2}% {:>17} {:>9} {:>12.0} {:>12.0}",
+            r.name,
+            r.events,
+            r.peak_live_bytes,
+            r.peak_reserved_bytes,
+            r.overhead * 100.0,
+            b,
+            bo,
+            r.events_per_sec,
+            r.cold_events_per_sec
         );
     }
     Ok(())

@@ -21,11 +21,13 @@
 //! range (stitching): a large request is served whenever enough physical
 //! memory is held, whatever the layout.
 
+use super::fenwick::Fenwick;
 use super::size_class::ALIGN;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::ptr::{ChunkHandle, DevicePtr};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use rustc_hash::FxHashMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 /// Who may reuse a free range.
@@ -65,7 +67,9 @@ enum Physical {
         idle: BTreeSet<u32>,
         /// Granules whose chunk was stolen while old uses may still run:
         /// still mapped at the backend, excluded from every range.
-        quarantine: BTreeSet<u32>,
+                quarantine: BTreeSet<u32>,
+        /// Mapped granules (chunk present), for counting any span's in O(log n).
+        mapped: Fenwick,
     },
     /// Plain segments (`cuMemAlloc`), base -> len; ranges never cross them.
     Segments { segs: BTreeMap<u64, u64> },
@@ -95,9 +99,9 @@ pub(crate) struct Heap {
     gran: u64,
     phys: Physical,
     by_addr: BTreeMap<u64, FreeRange>,
-    by_tag: HashMap<Tag, BTreeSet<(u64, u64)>>,
+    by_tag: FxHashMap<Tag, BTreeSet<(u64, u64)>>,
     /// Allocated ranges: addr -> len.
-    allocated: BTreeMap<u64, u64>,
+    allocated: FxHashMap<u64, u64>,
     reserved: u64,
     allocated_bytes: u64,
     next_pending: u32,
@@ -156,8 +160,8 @@ impl Heap {
                 segs: BTreeMap::new(),
             },
             by_addr: BTreeMap::new(),
-            by_tag: HashMap::new(),
-            allocated: BTreeMap::new(),
+            by_tag: FxHashMap::default(),
+            allocated: FxHashMap::default(),
             reserved: 0,
             allocated_bytes: 0,
             next_pending: 0,
@@ -174,8 +178,9 @@ impl Heap {
                 len,
                 granules: vec![Granule::default(); (len / gran) as usize],
                 spare: Vec::new(),
-                idle: BTreeSet::new(),
+                                idle: BTreeSet::new(),
                 quarantine: BTreeSet::new(),
+                mapped: Fenwick::new((len / gran) as usize),
             };
             heap.insert_free(base, len, Tag::Clean);
         }
@@ -255,6 +260,66 @@ impl Heap {
         None
     }
 
+    /// Chooses where to put `len` bytes for stream slot `slot`: among the
+    /// smallest free ranges that fit (clean, or dirty on that slot), and at
+    /// either end of each, the placement that needs the fewest granules
+    /// without physical memory, then the smallest range. Fewer unbacked
+    /// granules means less stitching now and less memory held at the peak,
+    /// because a block placed against a used granule shares it. Returns
+    /// `(range len, range addr, start)`.
+    fn place(&self, slot: Option<u16>, len: u64, align: u64) -> Option<(u64, u64, u64)> {
+        const WIDTH: usize = 8;
+        let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(2 * WIDTH);
+        let mut gather = |tag: Tag| {
+            if let Some(set) = self.by_tag.get(&tag) {
+                ranges.extend(set.range((len, 0)..).filter(|r| align_up(r.1, align) + len <= r.1 + r.0).take(WIDTH));
+            }
+        };
+        gather(Tag::Clean);
+        if let Some(s) = slot {
+            gather(Tag::Dirty(s));
+        }
+        if ranges.is_empty() {
+            // Only aligned (slab) requests can miss here: take the first
+            // range large enough to fit at any alignment.
+            let mut any = self.best_in(Tag::Clean, len, align);
+            if let Some(s) = slot {
+                if let Some(d) = self.best_in(Tag::Dirty(s), len, align) {
+                    any = Some(any.map_or(d, |a| a.min(d)));
+                }
+            }
+            return any.map(|(rlen, raddr)| (rlen, raddr, align_up(raddr, align)));
+        }
+        ranges.sort_unstable();
+        ranges.truncate(WIDTH);
+        let (rlen, raddr) = ranges[0];
+        let first = align_up(raddr, align);
+        if self.unbacked(first, len) == 0 {
+            return Some((rlen, raddr, first));
+        }
+        let mut best: Option<(u64, u64, u64, u64)> = None; // (cost, rlen, raddr, start)
+        for &(rlen, raddr) in &ranges {
+            let lo = align_up(raddr, align);
+            let hi = (raddr + rlen - len) / align * align;
+            for start in [lo, hi.max(lo)] {
+                let c = (self.unbacked(start, len), rlen, raddr, start);
+                if best.is_none_or(|b| (c.0, c.1) < (b.0, b.1)) {
+                    best = Some(c);
+                }
+            }
+        }
+        best.map(|b| (b.1, b.2, b.3))
+    }
+
+    /// Granules of `[start, start+len)` with no physical memory (0 in
+    /// segment mode, where free memory is always backed).
+    fn unbacked(&self, start: u64, len: u64) -> u64 {
+        let Physical::Vmm { base, mapped, .. } = &self.phys else { return 0 };
+        let first = ((start - base) / self.gran) as usize;
+        let last = ((start + len - 1 - base) / self.gran) as usize;
+        (last - first + 1) as u64 - mapped.range(first, last) as u64
+    }
+
     // ---- allocation --------------------------------------------------------------
 
     /// Takes `len` bytes (a multiple of 256) aligned to `align` for a stream
@@ -271,37 +336,21 @@ impl Heap {
         pending_ok: bool,
     ) -> Result<Taken> {
         debug_assert!(len % ALIGN == 0 && len > 0);
-        let mut best: Option<(u64, u64)> = self.best_in(Tag::Clean, len, align);
-        if let Some(s) = slot {
-            if let Some(d) = self.best_in(Tag::Dirty(s), len, align) {
-                if best.is_none_or(|b| d.0 <= b.0) {
-                    best = Some(d);
-                }
-            }
-        }
-        let mut candidates: Vec<(u64, u64)> = best.into_iter().collect();
+        let mut candidates: Vec<(u64, u64, u64)> = self.place(slot, len, align).into_iter().collect();
         if pending_ok {
-            let tags: Vec<Tag> = self
-                .by_tag
-                .keys()
-                .copied()
-                .filter(|t| matches!(t, Tag::Pending(_)))
-                .collect();
-            if let Some(p) = tags
-                .into_iter()
-                .filter_map(|t| self.best_in(t, len, align))
-                .min()
-            {
-                candidates.push(p);
+            let tags: Vec<Tag> = self.by_tag.keys().copied().filter(|t| matches!(t, Tag::Pending(_))).collect();
+            if let Some((rlen, raddr)) = tags.into_iter().filter_map(|t| self.best_in(t, len, align)).min() {
+                candidates.push((rlen, raddr, align_up(raddr, align)));
             }
         }
         if candidates.is_empty() {
-            candidates.push(self.grow_segments(len, align)?);
+            let (rlen, raddr) = self.grow_segments(len, align)?;
+            candidates.push((rlen, raddr, align_up(raddr, align)));
         }
         let ctx = StealCtx { slot, pending_ok };
         let mut last = None;
-        for (rlen, raddr) in candidates {
-            match self.take(raddr, rlen, len, align, ctx) {
+                for (rlen, raddr, start) in candidates {
+            match self.take(raddr, rlen, start, len, ctx) {
                 Ok(t) => return Ok(t),
                 Err(e) if e.is_oom() => last = Some(e),
                 Err(e) => return Err(e),
@@ -311,18 +360,10 @@ impl Heap {
     }
 
     /// Takes `len` bytes at `align` out of free range `(raddr, rlen)`.
-    fn take(
-        &mut self,
-        raddr: u64,
-        rlen: u64,
-        len: u64,
-        align: u64,
-        ctx: StealCtx,
-    ) -> Result<Taken> {
+        fn take(&mut self, raddr: u64, rlen: u64, start: u64, len: u64, ctx: StealCtx) -> Result<Taken> {
         let r = self.index_remove(raddr);
         debug_assert_eq!(r.len, rlen);
-        let start = align_up(raddr, align);
-        // Put the unused head and tail back first, so that idle granules in
+        debug_assert!(start >= raddr && start + len <= raddr + rlen);// Put the unused head and tail back first, so that idle granules in
         // them can be stolen to back the taken part.
         self.insert_free(raddr, start - raddr, r.tag);
         self.insert_free(start + len, raddr + rlen - start - len, r.tag);
@@ -480,13 +521,11 @@ impl Heap {
     }
 
     fn map_chunk_at(&mut self, g: u32, chunk: ChunkHandle) -> Result<()> {
-        let Physical::Vmm { base, granules, .. } = &mut self.phys else {
-            unreachable!("VMM only")
-        };
+                let Physical::Vmm { base, granules, mapped, .. } = &mut self.phys else { unreachable!("VMM only") };
         let va = *base + g as u64 * self.gran;
-        self.backend
-            .map(self.dev, DevicePtr(va), self.gran, chunk, 0)?;
+        self.backend.map(self.dev, DevicePtr(va), self.gran, chunk, 0)?;
         granules[g as usize].chunk = Some(chunk);
+        mapped.add(g as usize, 1);
         Ok(())
     }
 
@@ -582,25 +621,10 @@ impl Heap {
             });
         }
         let cover = self.granule_cover(g).expect("checked by steal_kind");
-        let Physical::Vmm {
-            base,
-            granules,
-            idle,
-            quarantine,
-            ..
-        } = &mut self.phys
-        else {
-            unreachable!()
-        };
-        let (gs, ge) = (
-            *base + g as u64 * self.gran,
-            *base + (g as u64 + 1) * self.gran,
-        );
-        let chunk = granules[g as usize]
-            .chunk
-            .take()
-            .expect("idle granules are mapped");
-        idle.remove(&g);
+                let Physical::Vmm { base, granules, idle, quarantine, mapped, .. } = &mut self.phys else { unreachable!() };
+        let (gs, ge) = (*base + g as u64 * self.gran, *base + (g as u64 + 1) * self.gran);
+        let chunk = granules[g as usize].chunk.take().expect("idle granules are mapped");
+        mapped.add(g as usize, -1);idle.remove(&g);
         quarantine.insert(g);
         self.fresh_quarantine.push(g);
         let mut waits = Vec::new();
@@ -631,16 +655,9 @@ impl Heap {
             self.push_spare(st.chunk);
             return;
         }
-        let Physical::Vmm {
-            granules,
-            idle,
-            quarantine,
-            ..
-        } = &mut self.phys
-        else {
-            return;
-        };
+                let Physical::Vmm { granules, idle, quarantine, mapped, .. } = &mut self.phys else { return; };
         granules[st.g as usize].chunk = Some(st.chunk);
+        mapped.add(st.g as usize, 1);
         idle.insert(st.g);
         quarantine.remove(&st.g);
         self.fresh_quarantine.retain(|&g| g != st.g);
@@ -679,15 +696,7 @@ impl Heap {
 
     /// Unmaps an idle granule and returns its chunk.
     fn unmap_granule(&mut self, g: u32) -> Option<ChunkHandle> {
-        let Physical::Vmm {
-            base,
-            granules,
-            idle,
-            ..
-        } = &mut self.phys
-        else {
-            return None;
-        };
+                let Physical::Vmm { base, granules, idle, mapped, .. } = &mut self.phys else { return None; };
         let va = *base + g as u64 * self.gran;
         let chunk = granules[g as usize].chunk?;
         if let Err(e) = self.backend.unmap(self.dev, DevicePtr(va), self.gran) {
@@ -695,6 +704,7 @@ impl Heap {
             return None;
         }
         granules[g as usize].chunk = None;
+        mapped.add(g as usize, -1);
         idle.remove(&g);
         Some(chunk)
     }

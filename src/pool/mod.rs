@@ -20,6 +20,7 @@
 //! with `cuStreamWaitEvent`.
 
 mod block;
+mod fenwick;
 mod heap;
 mod inspect;
 #[cfg(all(test, loom))]
@@ -50,7 +51,7 @@ use pending::{Pending, PendingList, Waits};
 use size_class::round_large;
 use small::Slabs;
 use stats::Counters;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use stream::{StreamInner, StreamRegistry, STREAM_SLOTS};
@@ -146,19 +147,19 @@ impl DevicePool {
             slabs: Slabs::new(classes, slab_bytes, max_slabs, STREAM_SLOTS),
             heap: Mutex::new(HeapState {
                 heap,
-                group_events: HashMap::new(),
+                group_events: HashMap::default(),
                 free_slab_ids: Vec::new(),
-                large: HashMap::new(),
+                large: HashMap::default(),
                 quarantine: Vec::new(),
                 slab_bytes: 0,
                 slab_tail_bytes: 0,
             }),
-            slab_index: RwLock::new(HashMap::new()),
+            slab_index: RwLock::new(HashMap::default()),
             pending: PendingList::new(),
             event_pool: Mutex::new(Vec::new()),
             streams: StreamRegistry::new(),
             counters: Counters::new(STREAM_SLOTS + 1),
-            raw_streams: Mutex::new(HashMap::new()),
+            raw_streams: Mutex::new(HashMap::default()),
             recording: AtomicBool::new(false),
             history: Mutex::new(History::default()),
             shut: AtomicBool::new(false),

@@ -50,8 +50,19 @@ pub struct ReplayReport {
     pub baseline: Option<Baseline>,
     /// The baseline's overhead over the same peak live bytes.
     pub baseline_overhead: Option<f64>,
-    /// Replay speed (events per second of pool time).
+        /// Replay speed in steady state: events per second of a second pass of
+    /// the trace over the same (warm) pool, as a training loop repeats its
+    /// steps.
     pub events_per_sec: f64,
+    /// Events per second of the first (cold) pass, which includes growing
+    /// the pool through the simulated driver.
+    pub cold_events_per_sec: f64,
+    /// Peak reserved bytes during the second pass minus during the first:
+    /// 0 when repeating the workload needs no new device memory.
+        pub reserved_growth_on_repeat: i64,
+    /// Granule mappings (`cuMemMap`) made during the first and the second
+    /// pass: stitching work done for the trace.
+    pub maps: [u64; 2],
     /// Allocations the pool refused (out of memory); should be 0.
     pub failed_allocs: u64,
     /// Samples of (event index, live bytes, reserved bytes) for plotting;
@@ -93,8 +104,9 @@ pub fn replay(trace: &Trace, opts: &ReplayOptions) -> Result<ReplayReport> {
         let r = replay_once(trace, opts, samples)?;
         best = Some(match best {
             None => r,
-            Some(mut b) => {
+                        Some(mut b) => {
                 b.events_per_sec = b.events_per_sec.max(r.events_per_sec);
+                b.cold_events_per_sec = b.cold_events_per_sec.max(r.cold_events_per_sec);
                 b
             }
         });
@@ -106,7 +118,8 @@ fn replay_once(trace: &Trace, opts: &ReplayOptions, samples: usize) -> Result<Re
     let sim = SimConfig {
         devices: 1,
         capacity_bytes: capacity_for(trace),
-        backing: SimBacking::Accounting,
+                backing: SimBacking::Accounting,
+        sync_streams: true,
         ..opts.config.sim.clone()
     };
     let rt = Runtime::builder().backend(BackendKind::Sim(sim)).config(opts.config.clone()).build()?;
@@ -120,14 +133,22 @@ fn replay_once(trace: &Trace, opts: &ReplayOptions, samples: usize) -> Result<Re
     run_events(trace, pool, &streams, &ev_stream, samples)
 }
 
-fn run_events(
+/// The outcome of one pass over the events.
+struct Pass {
+    peak_live: u64,
+    failed: u64,
+    secs: f64,
+    samples: Vec<(u64, u64, u64)>,
+}
+
+fn one_pass<'a>(
     trace: &Trace,
-    pool: &DevicePool,
-    streams: &[Stream],
+    pool: &'a DevicePool,
+    streams: &'a [Stream],
     ev_stream: &[usize],
     samples: usize,
-) -> Result<ReplayReport> {
-    let mut blocks: Vec<Option<Block<'_>>> = (0..trace.id_bound()).map(|_| None).collect();
+) -> Result<Pass> {
+    let mut blocks: Vec<Option<Block<'a>>> = (0..trace.id_bound()).map(|_| None).collect();
     let every = if samples == 0 { u64::MAX } else { (trace.events.len() as u64 / samples as u64).max(1) };
     let (mut live, mut peak_live, mut failed) = (0u64, 0u64, 0u64);
     let mut sampled = Vec::new();
@@ -154,11 +175,32 @@ fn run_events(
         }
     }
     let secs = t.elapsed().as_secs_f64();
+    // Blocks live at the end of the trace are freed, so that a repeated
+    // pass starts from the same state.
     drop(blocks);
-    let st = pool.stats();
-    let peak_reserved = st.reserved_bytes.peak;
+    Ok(Pass { peak_live, failed, secs, samples: sampled })
+}
+
+fn run_events(
+    trace: &Trace,
+    pool: &DevicePool,
+    streams: &[Stream],
+    ev_stream: &[usize],
+    samples: usize,
+) -> Result<ReplayReport> {
+        let maps = || pool.backend().counters().get(crate::backend::Call::Map);
+    let m0 = maps();
+    let cold = one_pass(trace, pool, streams, ev_stream, samples)?;
+    let m1 = maps();
+    let peak_reserved = pool.stats().reserved_bytes.peak;
+    pool.reset_peak_stats();
+    let warm = one_pass(trace, pool, streams, ev_stream, 0)?;
+        let warm_peak_reserved = pool.stats().reserved_bytes.peak;
+    let m2 = maps();
+    let peak_live = cold.peak_live;
     let baseline = trace.baseline_peak_reserved.map(|b| Baseline { source: "pytorch", peak_reserved_bytes: b });
     let ratio = |r: u64| if peak_live == 0 { 0.0 } else { r as f64 / peak_live as f64 - 1.0 };
+    let rate = |p: &Pass| trace.events.len() as f64 / p.secs.max(1e-9);
     Ok(ReplayReport {
         name: trace.name.clone(),
         format: trace.format.as_str(),
@@ -170,9 +212,12 @@ fn run_events(
         overhead: ratio(peak_reserved),
         baseline_overhead: baseline.as_ref().map(|b| ratio(b.peak_reserved_bytes)),
         baseline,
-        events_per_sec: trace.events.len() as f64 / secs.max(1e-9),
-        failed_allocs: failed,
-        samples: sampled,
+        events_per_sec: rate(&warm),
+        cold_events_per_sec: rate(&cold),
+        reserved_growth_on_repeat: warm_peak_reserved as i64 - peak_reserved as i64,
+                failed_allocs: cold.failed + warm.failed,
+        maps: [m1 - m0, m2 - m1],
+        samples: cold.samples,
     })
 }
 

@@ -68,8 +68,15 @@ pub struct SimConfig {
     pub vmm: bool,
     /// Delay before every stream operation runs.
     pub op_delay: Duration,
-    /// How memory is backed.
+        /// How memory is backed.
     pub backing: SimBacking,
+    /// Run every stream operation inline, at enqueue, on the calling thread
+    /// (no worker threads). Work then completes in enqueue order across all
+    /// streams, so results are deterministic; meant for trace replays in
+    /// accounting mode, where there is no memory to touch and only the order
+    /// of events matters. Off by default: the asynchronous model is the
+    /// faithful one.
+    pub sync_streams: bool,
 }
 
 impl Default for SimConfig {
@@ -80,7 +87,8 @@ impl Default for SimConfig {
             granularity: 2 << 20,
             vmm: true,
             op_delay: Duration::ZERO,
-            backing: SimBacking::Memory,
+                        backing: SimBacking::Memory,
+            sync_streams: false,
         }
     }
 }
@@ -199,6 +207,17 @@ impl SimBackend {
             .map_err(|e| Error::backend("cuStreamCreate", e.to_string()))?;
         self.workers.lock().push(h);
         Ok(Arc::new(SimStream::new(dev, tx)))
+    }
+
+        /// Queues `op` on `st`, or runs it at once in synchronous mode.
+    fn push_op(&self, dev: usize, st: &Arc<SimStream>, op: Op) -> Result<()> {
+        if self.cfg.sync_streams {
+            st.check_open()?;
+            stream::execute(dev, op, &*self.shared);
+            Ok(())
+        } else {
+            st.push(op)
+        }
     }
 
     fn dev(&self, dev: usize) -> Result<&SimDevice> {
@@ -323,7 +342,7 @@ impl SimBackend {
 
     /// Stalls `stream`: its next operation waits `d` first.
     pub fn stall_stream(&self, dev: usize, stream: StreamHandle, d: Duration) -> Result<()> {
-        self.stream(dev, stream)?.push(Op::Delay(d))
+        self.push_op(dev, &self.stream(dev, stream)?, Op::Delay(d))
     }
 
     // ---- simulated kernels ---------------------------------------------------
@@ -338,7 +357,7 @@ impl SimBackend {
         delay: Duration,
         op: KernelOp,
     ) -> Result<()> {
-        self.stream(dev, stream)?.push(Op::Kernel {
+        self.push_op(dev, &self.stream(dev, stream)?, Op::Kernel {
             ptr: ptr.0,
             len,
             delay,
@@ -623,7 +642,7 @@ impl Backend for SimBackend {
         let st = self.stream(dev, stream)?;
         self.event_fault(dev)?;
         let seq = ev.begin_record();
-        st.push(Op::Complete(ev, seq))
+        self.push_op(dev, &st, Op::Complete(ev, seq))
     }
 
     fn query_event(&self, dev: usize, event: EventHandle) -> Result<bool> {
@@ -651,7 +670,7 @@ impl Backend for SimBackend {
         let ev = self.event(dev, event)?;
         let st = self.stream(dev, stream)?;
         let seq = ev.current();
-        st.push(Op::Wait(ev, seq))
+        self.push_op(dev, &st, Op::Wait(ev, seq))
     }
 
     fn sync_stream(&self, dev: usize, stream: StreamHandle) -> Result<()> {
@@ -660,14 +679,14 @@ impl Backend for SimBackend {
         let st = self.stream(dev, stream)?;
         let marker = Arc::new(SimEvent::new(dev));
         let seq = marker.begin_record();
-        st.push(Op::Marker(marker.clone(), seq))?;
+        self.push_op(dev, &st, Op::Marker(marker.clone(), seq))?;
         marker.wait_for(seq);
         Ok(())
     }
 
     fn enqueue_moves(&self, dev: usize, stream: StreamHandle, moves: &[Move]) -> Result<()> {
         self.counters.count(Call::LaunchMoves);
-        self.stream(dev, stream)?.push(Op::Moves(moves.to_vec()))
+        self.push_op(dev, &self.stream(dev, stream)?, Op::Moves(moves.to_vec()))
     }
 
     fn enqueue_fill(
@@ -679,7 +698,7 @@ impl Backend for SimBackend {
         value: u8,
     ) -> Result<()> {
         self.counters.count(Call::MemsetAsync);
-        self.stream(dev, stream)?.push(Op::Fill {
+        self.push_op(dev, &self.stream(dev, stream)?, Op::Fill {
             ptr: ptr.0,
             len: bytes,
             value,

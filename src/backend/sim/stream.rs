@@ -167,6 +167,15 @@ impl SimStream {
         }
     }
 
+        /// An error if the stream was destroyed.
+    pub(crate) fn check_open(&self) -> Result<()> {
+        if self.tx.lock().is_some() {
+            Ok(())
+        } else {
+            Err(Error::InvalidHandle("stream was destroyed".into()))
+        }
+    }
+
     /// Closes the queue; the worker drains what is queued and exits.
     pub(crate) fn close(&self) {
         self.tx.lock().take();
@@ -185,35 +194,35 @@ pub(crate) trait Executor: Send + Sync + 'static {
 /// The worker loop of one stream.
 pub(crate) fn run_worker(device: usize, rx: mpsc::Receiver<Op>, exec: Arc<dyn Executor>) {
     while let Ok(op) = rx.recv() {
-        let d = exec.op_delay(device);
-        if !d.is_zero() {
-            std::thread::sleep(d);
-        }
-        match op {
-            Op::Delay(d) => std::thread::sleep(d),
-            Op::Complete(ev, seq) => {
-                let d = exec.event_delay(device);
-                if !d.is_zero() {
-                    std::thread::sleep(d);
-                }
-                ev.complete(seq);
+        execute(device, op, &*exec);
+    }
+}
+
+/// Runs one operation (on a stream's worker, or inline in synchronous mode).
+pub(crate) fn execute(device: usize, op: Op, exec: &dyn Executor) {
+    let d = exec.op_delay(device);
+    if !d.is_zero() {
+        std::thread::sleep(d);
+    }
+    match op {
+        Op::Delay(d) => std::thread::sleep(d),
+        Op::Complete(ev, seq) => {
+            let d = exec.event_delay(device);
+            if !d.is_zero() {
+                std::thread::sleep(d);
             }
-            Op::Wait(ev, seq) => ev.wait_for(seq),
-            Op::Moves(m) => exec.run_moves(device, &m),
-            Op::Fill { ptr, len, value } => exec.run_fill(device, ptr, len, value),
-            Op::Kernel {
-                ptr,
-                len,
-                delay,
-                op,
-            } => {
-                if !delay.is_zero() {
-                    std::thread::sleep(delay);
-                }
-                exec.run_kernel(device, ptr, len, &op);
-            }
-            Op::Marker(ev, seq) => ev.complete(seq),
+            ev.complete(seq);
         }
+        Op::Wait(ev, seq) => ev.wait_for(seq),
+        Op::Moves(m) => exec.run_moves(device, &m),
+        Op::Fill { ptr, len, value } => exec.run_fill(device, ptr, len, value),
+        Op::Kernel { ptr, len, delay, op } => {
+            if !delay.is_zero() {
+                std::thread::sleep(delay);
+            }
+            exec.run_kernel(device, ptr, len, &op);
+        }
+        Op::Marker(ev, seq) => ev.complete(seq),
     }
 }
 
