@@ -37,7 +37,7 @@ enum Command {
         #[command(flatten)]
         common: Common,
     },
-        /// Replay allocation traces through the pool and report fragmentation.
+    /// Replay allocation traces through the pool and report fragmentation.
     Replay {
         /// Trace files: PyTorch snapshots (.pickle), RMM logs, lifetimes CSVs.
         #[arg(required = true)]
@@ -177,29 +177,60 @@ fn info(common: &Common) -> Result<()> {
     print(common.json, &report)
 }
 
-fn replay(files: &[std::path::PathBuf], json: bool, plot: Option<&std::path::Path>, repeats: usize) -> Result<()> {
+fn replay(
+    files: &[std::path::PathBuf],
+    json: bool,
+    plot: Option<&std::path::Path>,
+    repeats: usize,
+) -> Result<()> {
     use gpupool::trace::plot::{line_chart, Series};
     use gpupool::trace::replay::{replay_file, ReplayOptions};
     let cfg = PoolConfig::from_env().context("GPUPOOL_CONF")?;
-    let opts = ReplayOptions { config: cfg, samples: if plot.is_some() { 2000 } else { 0 }, repeats };
+    let opts = ReplayOptions {
+        config: cfg,
+        samples: if plot.is_some() { 2000 } else { 0 },
+        repeats,
+    };
     let mut reports = Vec::new();
     for f in files {
-        reports.extend(replay_file(f, &opts).with_context(|| format!("replaying {}", f.display()))?);
+        reports
+            .extend(replay_file(f, &opts).with_context(|| format!("replaying {}", f.display()))?);
     }
     if let Some(dir) = plot {
         std::fs::create_dir_all(dir)?;
         for r in &reports {
-            let pts = |k: usize| r.samples.iter().map(|s| (s.0 as f64, [s.1, s.2][k] as f64)).collect::<Vec<_>>();
+            let pts = |k: usize| {
+                r.samples
+                    .iter()
+                    .map(|s| (s.0 as f64, [s.1, s.2][k] as f64))
+                    .collect::<Vec<_>>()
+            };
             let mut series = vec![
-                Series { name: "live (requested) bytes", colour: "#1f77b4", points: pts(0) },
-                Series { name: "gpupool reserved bytes", colour: "#d62728", points: pts(1) },
+                Series {
+                    name: "live (requested) bytes",
+                    colour: "#1f77b4",
+                    points: pts(0),
+                },
+                Series {
+                    name: "gpupool reserved bytes",
+                    colour: "#d62728",
+                    points: pts(1),
+                },
             ];
             if let Some(b) = &r.baseline {
                 let x = r.samples.last().map_or(1.0, |s| s.0 as f64);
                 let y = b.peak_reserved_bytes as f64;
-                series.push(Series { name: "PyTorch peak reserved", colour: "#2ca02c", points: vec![(0.0, y), (x, y)] });
+                series.push(Series {
+                    name: "PyTorch peak reserved",
+                    colour: "#2ca02c",
+                    points: vec![(0.0, y), (x, y)],
+                });
             }
-            let title = format!("{}: live vs reserved ({:.2}% overhead)", r.name, r.overhead * 100.0);
+            let title = format!(
+                "{}: live vs reserved ({:.2}% overhead)",
+                r.name,
+                r.overhead * 100.0
+            );
             let svg = line_chart(&title, "event", "GiB", (1u64 << 30) as f64, &series);
             let path = dir.join(format!("{}.svg", r.name.replace(['/', '#'], "_")));
             std::fs::write(&path, svg)?;
@@ -207,20 +238,34 @@ fn replay(files: &[std::path::PathBuf], json: bool, plot: Option<&std::path::Pat
         }
     }
     if json {
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "traces": reports }))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "traces": reports }))?
+        );
         return Ok(());
     }
     println!(
-                "{:<28} {:>8} {:>16} {:>16} {:>9} {:>17} {:>9} {:>12} {:>12}",
-        "trace", "events", "peak live", "gpupool reserved", "overhead", "baseline reserved", "baseline", "events/s", "cold ev/s"
+        "{:<28} {:>8} {:>16} {:>16} {:>9} {:>17} {:>9} {:>12} {:>12}",
+        "trace",
+        "events",
+        "peak live",
+        "gpupool reserved",
+        "overhead",
+        "baseline reserved",
+        "baseline",
+        "events/s",
+        "cold ev/s"
     );
     for r in &reports {
         let (b, bo) = match (&r.baseline, r.baseline_overhead) {
-            (Some(b), Some(o)) => (b.peak_reserved_bytes.to_string(), format!("{:.2}%", o * 100.0)),
+            (Some(b), Some(o)) => (
+                b.peak_reserved_bytes.to_string(),
+                format!("{:.2}%", o * 100.0),
+            ),
             _ => ("-".into(), "-".into()),
         };
         println!(
-                        "{:<28} {:>8} {:>16} {:>16} {:>8.2}% {:>17} {:>9} {:>12.0} {:>12.0}",
+            "{:<28} {:>8} {:>16} {:>16} {:>8.2}% {:>17} {:>9} {:>12.0} {:>12.0}",
             r.name,
             r.events,
             r.peak_live_bytes,
@@ -272,7 +317,12 @@ fn run() -> Result<()> {
             let infos: Vec<_> = rt.devices().iter().map(|p| p.info().clone()).collect();
             print(common.json, &gpupool::topology::discover(&infos))?;
         }
-                Command::Replay { files, json, plot, repeats } => replay(&files, json, plot.as_deref(), repeats)?,
+        Command::Replay {
+            files,
+            json,
+            plot,
+            repeats,
+        } => replay(&files, json, plot.as_deref(), repeats)?,
         Command::Bench { json, quick } => {
             let report = gpupool::bench::run(&gpupool::bench::BenchOptions {
                 quick,

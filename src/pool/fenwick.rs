@@ -11,7 +11,9 @@ pub(crate) struct Fenwick {
 impl Fenwick {
     /// `n` zero counts.
     pub(crate) fn new(n: usize) -> Self {
-        Fenwick { tree: vec![0; n + 1] }
+        Fenwick {
+            tree: vec![0; n + 1],
+        }
     }
 
     /// Adds `delta` at index `i`.

@@ -67,7 +67,7 @@ enum Physical {
         idle: BTreeSet<u32>,
         /// Granules whose chunk was stolen while old uses may still run:
         /// still mapped at the backend, excluded from every range.
-                quarantine: BTreeSet<u32>,
+        quarantine: BTreeSet<u32>,
         /// Mapped granules (chunk present), for counting any span's in O(log n).
         mapped: Fenwick,
     },
@@ -178,7 +178,7 @@ impl Heap {
                 len,
                 granules: vec![Granule::default(); (len / gran) as usize],
                 spare: Vec::new(),
-                                idle: BTreeSet::new(),
+                idle: BTreeSet::new(),
                 quarantine: BTreeSet::new(),
                 mapped: Fenwick::new((len / gran) as usize),
             };
@@ -187,7 +187,7 @@ impl Heap {
         Ok(heap)
     }
 
-        /// Physical bytes held.
+    /// Physical bytes held.
     pub(crate) fn reserved(&self) -> u64 {
         self.reserved
     }
@@ -272,7 +272,11 @@ impl Heap {
         let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(2 * WIDTH);
         let mut gather = |tag: Tag| {
             if let Some(set) = self.by_tag.get(&tag) {
-                ranges.extend(set.range((len, 0)..).filter(|r| align_up(r.1, align) + len <= r.1 + r.0).take(WIDTH));
+                ranges.extend(
+                    set.range((len, 0)..)
+                        .filter(|r| align_up(r.1, align) + len <= r.1 + r.0)
+                        .take(WIDTH),
+                );
             }
         };
         gather(Tag::Clean);
@@ -311,10 +315,37 @@ impl Heap {
         best.map(|b| (b.1, b.2, b.3))
     }
 
+    /// Like [`Heap::alloc`], but only where no granule needs physical
+    /// memory: no device allocation, no stitching. `None` if no such place.
+    pub(crate) fn alloc_backed(
+        &mut self,
+        len: u64,
+        align: u64,
+        slot: Option<u16>,
+    ) -> Option<Taken> {
+        let (rlen, raddr, start) = self.place(slot, len, align)?;
+        if self.unbacked(start, len) != 0 {
+            return None;
+        }
+        self.take(
+            raddr,
+            rlen,
+            start,
+            len,
+            StealCtx {
+                slot,
+                pending_ok: false,
+            },
+        )
+        .ok()
+    }
+
     /// Granules of `[start, start+len)` with no physical memory (0 in
     /// segment mode, where free memory is always backed).
     fn unbacked(&self, start: u64, len: u64) -> u64 {
-        let Physical::Vmm { base, mapped, .. } = &self.phys else { return 0 };
+        let Physical::Vmm { base, mapped, .. } = &self.phys else {
+            return 0;
+        };
         let first = ((start - base) / self.gran) as usize;
         let last = ((start + len - 1 - base) / self.gran) as usize;
         (last - first + 1) as u64 - mapped.range(first, last) as u64
@@ -336,10 +367,20 @@ impl Heap {
         pending_ok: bool,
     ) -> Result<Taken> {
         debug_assert!(len % ALIGN == 0 && len > 0);
-        let mut candidates: Vec<(u64, u64, u64)> = self.place(slot, len, align).into_iter().collect();
+        let mut candidates: Vec<(u64, u64, u64)> =
+            self.place(slot, len, align).into_iter().collect();
         if pending_ok {
-            let tags: Vec<Tag> = self.by_tag.keys().copied().filter(|t| matches!(t, Tag::Pending(_))).collect();
-            if let Some((rlen, raddr)) = tags.into_iter().filter_map(|t| self.best_in(t, len, align)).min() {
+            let tags: Vec<Tag> = self
+                .by_tag
+                .keys()
+                .copied()
+                .filter(|t| matches!(t, Tag::Pending(_)))
+                .collect();
+            if let Some((rlen, raddr)) = tags
+                .into_iter()
+                .filter_map(|t| self.best_in(t, len, align))
+                .min()
+            {
                 candidates.push((rlen, raddr, align_up(raddr, align)));
             }
         }
@@ -349,7 +390,7 @@ impl Heap {
         }
         let ctx = StealCtx { slot, pending_ok };
         let mut last = None;
-                for (rlen, raddr, start) in candidates {
+        for (rlen, raddr, start) in candidates {
             match self.take(raddr, rlen, start, len, ctx) {
                 Ok(t) => return Ok(t),
                 Err(e) if e.is_oom() => last = Some(e),
@@ -360,11 +401,18 @@ impl Heap {
     }
 
     /// Takes `len` bytes at `align` out of free range `(raddr, rlen)`.
-        fn take(&mut self, raddr: u64, rlen: u64, start: u64, len: u64, ctx: StealCtx) -> Result<Taken> {
+    fn take(
+        &mut self,
+        raddr: u64,
+        rlen: u64,
+        start: u64,
+        len: u64,
+        ctx: StealCtx,
+    ) -> Result<Taken> {
         let r = self.index_remove(raddr);
         debug_assert_eq!(r.len, rlen);
-        debug_assert!(start >= raddr && start + len <= raddr + rlen);// Put the unused head and tail back first, so that idle granules in
-        // them can be stolen to back the taken part.
+        debug_assert!(start >= raddr && start + len <= raddr + rlen); // Put the unused head and tail back first, so that idle granules in
+                                                                      // them can be stolen to back the taken part.
         self.insert_free(raddr, start - raddr, r.tag);
         self.insert_free(start + len, raddr + rlen - start - len, r.tag);
         let mut waits = Vec::new();
@@ -521,9 +569,18 @@ impl Heap {
     }
 
     fn map_chunk_at(&mut self, g: u32, chunk: ChunkHandle) -> Result<()> {
-                let Physical::Vmm { base, granules, mapped, .. } = &mut self.phys else { unreachable!("VMM only") };
+        let Physical::Vmm {
+            base,
+            granules,
+            mapped,
+            ..
+        } = &mut self.phys
+        else {
+            unreachable!("VMM only")
+        };
         let va = *base + g as u64 * self.gran;
-        self.backend.map(self.dev, DevicePtr(va), self.gran, chunk, 0)?;
+        self.backend
+            .map(self.dev, DevicePtr(va), self.gran, chunk, 0)?;
         granules[g as usize].chunk = Some(chunk);
         mapped.add(g as usize, 1);
         Ok(())
@@ -621,10 +678,27 @@ impl Heap {
             });
         }
         let cover = self.granule_cover(g).expect("checked by steal_kind");
-                let Physical::Vmm { base, granules, idle, quarantine, mapped, .. } = &mut self.phys else { unreachable!() };
-        let (gs, ge) = (*base + g as u64 * self.gran, *base + (g as u64 + 1) * self.gran);
-        let chunk = granules[g as usize].chunk.take().expect("idle granules are mapped");
-        mapped.add(g as usize, -1);idle.remove(&g);
+        let Physical::Vmm {
+            base,
+            granules,
+            idle,
+            quarantine,
+            mapped,
+            ..
+        } = &mut self.phys
+        else {
+            unreachable!()
+        };
+        let (gs, ge) = (
+            *base + g as u64 * self.gran,
+            *base + (g as u64 + 1) * self.gran,
+        );
+        let chunk = granules[g as usize]
+            .chunk
+            .take()
+            .expect("idle granules are mapped");
+        mapped.add(g as usize, -1);
+        idle.remove(&g);
         quarantine.insert(g);
         self.fresh_quarantine.push(g);
         let mut waits = Vec::new();
@@ -655,7 +729,16 @@ impl Heap {
             self.push_spare(st.chunk);
             return;
         }
-                let Physical::Vmm { granules, idle, quarantine, mapped, .. } = &mut self.phys else { return; };
+        let Physical::Vmm {
+            granules,
+            idle,
+            quarantine,
+            mapped,
+            ..
+        } = &mut self.phys
+        else {
+            return;
+        };
         granules[st.g as usize].chunk = Some(st.chunk);
         mapped.add(st.g as usize, 1);
         idle.insert(st.g);
@@ -696,7 +779,16 @@ impl Heap {
 
     /// Unmaps an idle granule and returns its chunk.
     fn unmap_granule(&mut self, g: u32) -> Option<ChunkHandle> {
-                let Physical::Vmm { base, granules, idle, mapped, .. } = &mut self.phys else { return None; };
+        let Physical::Vmm {
+            base,
+            granules,
+            idle,
+            mapped,
+            ..
+        } = &mut self.phys
+        else {
+            return None;
+        };
         let va = *base + g as u64 * self.gran;
         let chunk = granules[g as usize].chunk?;
         if let Err(e) = self.backend.unmap(self.dev, DevicePtr(va), self.gran) {

@@ -109,13 +109,14 @@ impl PoolShared {
         }
         // Live slot bytes = slab bytes - free - pending - tails.
         let live_slots = h.slab_bytes - c.free_bytes - c.pending_bytes - h.slab_tail_bytes;
-        let large_live = f.allocated - h.slab_bytes;
+        let large_live = f.allocated - h.slab_bytes - h.exact.bytes;
         let large_ranges: u64 = h
             .large
             .keys()
             .map(|a| h.heap.allocated_len(*a).unwrap_or(0))
             .sum();
         let (allocated, active, _, _) = self.counters.totals();
+        let parked = h.exact.bytes;
         drop(h);
         if large_ranges != large_live {
             return Err(format!(
@@ -134,7 +135,7 @@ impl PoolShared {
             return Err("pending slot byte counter drifted".into());
         }
         let stats = self.stats();
-        let cached = f.free_clean + f.free_dirty + f.spare + c.free_bytes;
+        let cached = f.free_clean + f.free_dirty + f.spare + c.free_bytes + parked;
         let sum = stats.active_bytes.current
             + stats.pending_bytes.current
             + cached
@@ -156,6 +157,7 @@ impl PoolShared {
         let h = self.heap.lock();
         let census = self.census(|_| true);
         let slab_ids = self.slab_index.read().clone();
+        let parked: HashSet<u64> = h.exact.addrs().collect();
         let mut segments = Vec::new();
         for run in h.heap.layout() {
             let mut blocks: Vec<BlockInfo> = Vec::new();
@@ -167,12 +169,19 @@ impl PoolShared {
                             segments.push(self.slab_segment(id, &census));
                             continue;
                         }
-                        let requested = h.large.get(&addr).map_or(0, |l| l.requested);
+                        let (requested, state) = if parked.contains(&addr) {
+                            (0, BlockState::Inactive)
+                        } else {
+                            (
+                                h.large.get(&addr).map_or(0, |l| l.requested),
+                                BlockState::ActiveAllocated,
+                            )
+                        };
                         blocks.push(BlockInfo {
                             address: addr,
                             size: len,
                             requested_size: requested,
-                            state: BlockState::ActiveAllocated,
+                            state,
                         });
                     }
                     Piece::Free(tag) => {

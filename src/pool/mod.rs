@@ -20,6 +20,7 @@
 //! with `cuStreamWaitEvent`.
 
 mod block;
+mod exact;
 mod fenwick;
 mod heap;
 mod inspect;
@@ -48,10 +49,10 @@ use crate::ptr::{DevicePtr, EventHandle, StreamHandle};
 use heap::{Heap, Tag};
 use parking_lot::{Mutex, RwLock};
 use pending::{Pending, PendingList, Waits};
+use rustc_hash::FxHashMap as HashMap;
 use size_class::round_large;
 use small::Slabs;
 use stats::Counters;
-use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use stream::{StreamInner, StreamRegistry, STREAM_SLOTS};
@@ -69,6 +70,8 @@ struct HeapState {
     free_slab_ids: Vec<u32>,
     /// Live large blocks by address.
     large: HashMap<u64, LargeLive>,
+    /// Large ranges parked for exact-size reuse on their stream.
+    exact: exact::ExactCache,
     /// Granules aliased by stitching, released when their event completes.
     quarantine: Vec<(Waits, Vec<u32>)>,
     /// Bytes of all slabs, and of slab tails no slot covers.
@@ -150,6 +153,7 @@ impl DevicePool {
                 group_events: HashMap::default(),
                 free_slab_ids: Vec::new(),
                 large: HashMap::default(),
+                exact: exact::ExactCache::default(),
                 quarantine: Vec::new(),
                 slab_bytes: 0,
                 slab_tail_bytes: 0,
@@ -251,7 +255,7 @@ impl DevicePool {
         self.shared.stats()
     }
 
-        /// Device memory held now (cheaper than [`DevicePool::stats`]).
+    /// Device memory held now (cheaper than [`DevicePool::stats`]).
     pub fn reserved_bytes(&self) -> u64 {
         self.shared.heap.lock().heap.reserved()
     }
@@ -462,7 +466,13 @@ impl PoolShared {
             return Ok(Some(i));
         }
         let sb = self.slabs.slab_bytes;
-        let taken = self.heap_alloc(&mut h, sb, sb, stream, false)?;
+        let taken = match h.heap.alloc_backed(sb, sb, slot) {
+            Some(t) => t,
+            None => {
+                Self::unpark(&mut h);
+                self.heap_alloc(&mut h, sb, sb, stream, false)?
+            }
+        };
         let reuse = h.free_slab_ids.pop();
         let Some(idxs) = self.slabs.install(class, taken.addr, reuse) else {
             h.heap.free(taken.addr, taken.from).expect("just allocated");
@@ -488,6 +498,15 @@ impl PoolShared {
         let size = live.requested;
         {
             let mut h = self.heap.lock();
+            if let Some(addr) = stream.slot().and_then(|s| h.exact.take(s, len)) {
+                h.large.insert(addr, live);
+                return Ok(addr);
+            }
+            if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
+                h.large.insert(t.addr, live);
+                return Ok(t.addr);
+            }
+            Self::unpark(&mut h);
             match self.heap_alloc(&mut h, len, ALIGN, stream, false) {
                 Ok(t) => {
                     h.large.insert(t.addr, live);
@@ -514,6 +533,18 @@ impl PoolShared {
         }
     }
 
+    /// Gives every parked large range to the heap (see `exact.rs`).
+    fn unpark(h: &mut HeapState) {
+        if h.exact.is_empty() {
+            return;
+        }
+        for (slot, _, addr) in h.exact.drain() {
+            h.heap
+                .free(addr, Tag::Dirty(slot))
+                .expect("parked ranges are allocated");
+        }
+    }
+
     /// One heap allocation for `stream`, with its side effects handled:
     /// the stream waits on any pending groups it takes memory from, and
     /// granules aliased by stitching get an event on the stream.
@@ -527,9 +558,11 @@ impl PoolShared {
     ) -> Result<heap::Taken> {
         let device_allocs = h.heap.device_allocs;
         let r = h.heap.alloc(len, align, stream.slot(), pending_ok);
-                if h.heap.device_allocs != device_allocs {
+        if h.heap.device_allocs != device_allocs {
             self.counters.grown.fetch_add(1, Relaxed);
-            self.counters.peak_reserved.fetch_max(h.heap.reserved(), Relaxed);
+            self.counters
+                .peak_reserved
+                .fetch_max(h.heap.reserved(), Relaxed);
         }
         let q = h.heap.take_quarantine();
         if !q.is_empty() {
@@ -619,11 +652,7 @@ impl PoolShared {
                 let mut h = self.heap.lock();
                 h.large.remove(&addr);
                 match slot {
-                    Some(s) if extra.is_empty() => {
-                        h.heap
-                            .free(addr, Tag::Dirty(s))
-                            .expect("block is allocated");
-                    }
+                    Some(s) if extra.is_empty() => h.exact.put(s, len, addr),
                     _ => {
                         let id = h.heap.new_pending_group();
                         h.heap

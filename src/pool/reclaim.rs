@@ -167,6 +167,11 @@ impl PoolShared {
             }
         }
         let mut h = self.heap.lock();
+        for (_, addr) in h.exact.drain_slot(slot as u16) {
+            h.heap
+                .free(addr, Tag::Dirty(slot as u16))
+                .expect("parked ranges are allocated");
+        }
         if let Some((id, _)) = h.heap.flush_dirty(slot as u16) {
             let waits = self.record_events(handle, &[]);
             h.group_events.insert(id, waits);

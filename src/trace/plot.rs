@@ -16,7 +16,13 @@ pub struct Series<'a> {
 
 /// Renders series as an SVG line chart with axes and a legend. `y_unit`
 /// divides y values for the axis labels (e.g. 2^30 for GiB).
-pub fn line_chart(title: &str, x_label: &str, y_label: &str, y_unit: f64, series: &[Series<'_>]) -> String {
+pub fn line_chart(
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    y_unit: f64,
+    series: &[Series<'_>],
+) -> String {
     let (w, h, left, right, top, bottom) = (900.0, 420.0, 80.0, 20.0, 40.0, 50.0);
     let pts = series.iter().flat_map(|s| s.points.iter());
     let x_max = pts.clone().map(|p| p.0).fold(1e-9, f64::max);
@@ -29,7 +35,12 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, y_unit: f64, series
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
     );
     let _ = writeln!(svg, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(svg, r#"<text x="{}" y="22" font-size="15" text-anchor="middle">{}</text>"#, w / 2.0, escape(title));
+    let _ = writeln!(
+        svg,
+        r#"<text x="{}" y="22" font-size="15" text-anchor="middle">{}</text>"#,
+        w / 2.0,
+        escape(title)
+    );
     for i in 0..=5 {
         let y = y_max * i as f64 / 5.0;
         let _ = writeln!(
@@ -42,9 +53,24 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, y_unit: f64, series
             y0 = sy(y)
         );
     }
-    let _ = writeln!(svg, r#"<line x1="{left}" x2="{left}" y1="{top}" y2="{}" stroke="black"/>"#, h - bottom);
-    let _ = writeln!(svg, r#"<line x1="{left}" x2="{}" y1="{y}" y2="{y}" stroke="black"/>"#, w - right, y = h - bottom);
-    let _ = writeln!(svg, r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#, w / 2.0, h - 12.0, escape(x_label));
+    let _ = writeln!(
+        svg,
+        r#"<line x1="{left}" x2="{left}" y1="{top}" y2="{}" stroke="black"/>"#,
+        h - bottom
+    );
+    let _ = writeln!(
+        svg,
+        r#"<line x1="{left}" x2="{}" y1="{y}" y2="{y}" stroke="black"/>"#,
+        w - right,
+        y = h - bottom
+    );
+    let _ = writeln!(
+        svg,
+        r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
+        w / 2.0,
+        h - 12.0,
+        escape(x_label)
+    );
     let _ = writeln!(
         svg,
         r#"<text x="16" y="{}" text-anchor="middle" transform="rotate(-90 16 {})">{}</text>"#,
@@ -57,7 +83,12 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, y_unit: f64, series
         for (x, y) in &s.points {
             let _ = write!(d, "{:.1},{:.1} ", sx(*x), sy(*y));
         }
-        let _ = writeln!(svg, r#"<polyline fill="none" stroke="{}" stroke-width="1.5" points="{}"/>"#, s.colour, d.trim_end());
+        let _ = writeln!(
+            svg,
+            r#"<polyline fill="none" stroke="{}" stroke-width="1.5" points="{}"/>"#,
+            s.colour,
+            d.trim_end()
+        );
         let ly = top + 14.0 + 16.0 * k as f64;
         let _ = writeln!(
             svg,
@@ -75,7 +106,9 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, y_unit: f64, series
 }
 
 fn escape(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
 
 #[cfg(test)]
@@ -85,8 +118,16 @@ mod tests {
     #[test]
     fn chart_has_one_polyline_per_series_and_escapes_text() {
         let s = [
-            Series { name: "live", colour: "blue", points: vec![(0.0, 1.0), (1.0, 2.0)] },
-            Series { name: "reserved <pool>", colour: "red", points: vec![(0.0, 2.0), (1.0, 3.0)] },
+            Series {
+                name: "live",
+                colour: "blue",
+                points: vec![(0.0, 1.0), (1.0, 2.0)],
+            },
+            Series {
+                name: "reserved <pool>",
+                colour: "red",
+                points: vec![(0.0, 2.0), (1.0, 3.0)],
+            },
         ];
         let svg = line_chart("t & t", "x", "GiB", 1.0, &s);
         assert_eq!(svg.matches("<polyline").count(), 2);

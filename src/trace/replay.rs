@@ -50,7 +50,7 @@ pub struct ReplayReport {
     pub baseline: Option<Baseline>,
     /// The baseline's overhead over the same peak live bytes.
     pub baseline_overhead: Option<f64>,
-        /// Replay speed in steady state: events per second of a second pass of
+    /// Replay speed in steady state: events per second of a second pass of
     /// the trace over the same (warm) pool, as a training loop repeats its
     /// steps.
     pub events_per_sec: f64,
@@ -59,7 +59,7 @@ pub struct ReplayReport {
     pub cold_events_per_sec: f64,
     /// Peak reserved bytes during the second pass minus during the first:
     /// 0 when repeating the workload needs no new device memory.
-        pub reserved_growth_on_repeat: i64,
+    pub reserved_growth_on_repeat: i64,
     /// Granule mappings (`cuMemMap`) made during the first and the second
     /// pass: stitching work done for the trace.
     pub maps: [u64; 2],
@@ -85,7 +85,11 @@ pub struct ReplayOptions {
 
 impl Default for ReplayOptions {
     fn default() -> Self {
-        ReplayOptions { config: PoolConfig::default(), samples: 0, repeats: 3 }
+        ReplayOptions {
+            config: PoolConfig::default(),
+            samples: 0,
+            repeats: 3,
+        }
     }
 }
 
@@ -104,7 +108,7 @@ pub fn replay(trace: &Trace, opts: &ReplayOptions) -> Result<ReplayReport> {
         let r = replay_once(trace, opts, samples)?;
         best = Some(match best {
             None => r,
-                        Some(mut b) => {
+            Some(mut b) => {
                 b.events_per_sec = b.events_per_sec.max(r.events_per_sec);
                 b.cold_events_per_sec = b.cold_events_per_sec.max(r.cold_events_per_sec);
                 b
@@ -118,18 +122,32 @@ fn replay_once(trace: &Trace, opts: &ReplayOptions, samples: usize) -> Result<Re
     let sim = SimConfig {
         devices: 1,
         capacity_bytes: capacity_for(trace),
-                backing: SimBacking::Accounting,
+        backing: SimBacking::Accounting,
         sync_streams: true,
         ..opts.config.sim.clone()
     };
-    let rt = Runtime::builder().backend(BackendKind::Sim(sim)).config(opts.config.clone()).build()?;
+    let rt = Runtime::builder()
+        .backend(BackendKind::Sim(sim))
+        .config(opts.config.clone())
+        .build()?;
     let pool = rt.device(0)?;
     let mut stream_ids: Vec<u64> = trace.events.iter().map(TraceEvent::stream).collect();
     stream_ids.sort_unstable();
     stream_ids.dedup();
-    let streams: Vec<Stream> = stream_ids.iter().map(|_| pool.new_stream()).collect::<Result<_>>()?;
-    let stream_of: HashMap<u64, usize> = stream_ids.iter().enumerate().map(|(i, &s)| (s, i)).collect();
-    let ev_stream: Vec<usize> = trace.events.iter().map(|e| stream_of[&e.stream()]).collect();
+    let streams: Vec<Stream> = stream_ids
+        .iter()
+        .map(|_| pool.new_stream())
+        .collect::<Result<_>>()?;
+    let stream_of: HashMap<u64, usize> = stream_ids
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| (s, i))
+        .collect();
+    let ev_stream: Vec<usize> = trace
+        .events
+        .iter()
+        .map(|e| stream_of[&e.stream()])
+        .collect();
     run_events(trace, pool, &streams, &ev_stream, samples)
 }
 
@@ -149,21 +167,27 @@ fn one_pass<'a>(
     samples: usize,
 ) -> Result<Pass> {
     let mut blocks: Vec<Option<Block<'a>>> = (0..trace.id_bound()).map(|_| None).collect();
-    let every = if samples == 0 { u64::MAX } else { (trace.events.len() as u64 / samples as u64).max(1) };
+    let every = if samples == 0 {
+        u64::MAX
+    } else {
+        (trace.events.len() as u64 / samples as u64).max(1)
+    };
     let (mut live, mut peak_live, mut failed) = (0u64, 0u64, 0u64);
     let mut sampled = Vec::new();
     let t = Instant::now();
     for (i, ev) in trace.events.iter().enumerate() {
         match *ev {
-            TraceEvent::Alloc { id, size, .. } => match pool.alloc(size as usize, &streams[ev_stream[i]]) {
-                Ok(b) => {
-                    blocks[id as usize] = Some(b);
-                    live += size;
-                    peak_live = peak_live.max(live);
+            TraceEvent::Alloc { id, size, .. } => {
+                match pool.alloc(size as usize, &streams[ev_stream[i]]) {
+                    Ok(b) => {
+                        blocks[id as usize] = Some(b);
+                        live += size;
+                        peak_live = peak_live.max(live);
+                    }
+                    Err(e) if e.is_oom() => failed += 1,
+                    Err(e) => return Err(e),
                 }
-                Err(e) if e.is_oom() => failed += 1,
-                Err(e) => return Err(e),
-            },
+            }
             TraceEvent::Free { id, .. } => {
                 if let Some(b) = blocks[id as usize].take() {
                     live -= b.size() as u64;
@@ -178,7 +202,12 @@ fn one_pass<'a>(
     // Blocks live at the end of the trace are freed, so that a repeated
     // pass starts from the same state.
     drop(blocks);
-    Ok(Pass { peak_live, failed, secs, samples: sampled })
+    Ok(Pass {
+        peak_live,
+        failed,
+        secs,
+        samples: sampled,
+    })
 }
 
 fn run_events(
@@ -188,18 +217,27 @@ fn run_events(
     ev_stream: &[usize],
     samples: usize,
 ) -> Result<ReplayReport> {
-        let maps = || pool.backend().counters().get(crate::backend::Call::Map);
+    let maps = || pool.backend().counters().get(crate::backend::Call::Map);
     let m0 = maps();
     let cold = one_pass(trace, pool, streams, ev_stream, samples)?;
     let m1 = maps();
     let peak_reserved = pool.stats().reserved_bytes.peak;
     pool.reset_peak_stats();
     let warm = one_pass(trace, pool, streams, ev_stream, 0)?;
-        let warm_peak_reserved = pool.stats().reserved_bytes.peak;
+    let warm_peak_reserved = pool.stats().reserved_bytes.peak;
     let m2 = maps();
     let peak_live = cold.peak_live;
-    let baseline = trace.baseline_peak_reserved.map(|b| Baseline { source: "pytorch", peak_reserved_bytes: b });
-    let ratio = |r: u64| if peak_live == 0 { 0.0 } else { r as f64 / peak_live as f64 - 1.0 };
+    let baseline = trace.baseline_peak_reserved.map(|b| Baseline {
+        source: "pytorch",
+        peak_reserved_bytes: b,
+    });
+    let ratio = |r: u64| {
+        if peak_live == 0 {
+            0.0
+        } else {
+            r as f64 / peak_live as f64 - 1.0
+        }
+    };
     let rate = |p: &Pass| trace.events.len() as f64 / p.secs.max(1e-9);
     Ok(ReplayReport {
         name: trace.name.clone(),
@@ -215,7 +253,7 @@ fn run_events(
         events_per_sec: rate(&warm),
         cold_events_per_sec: rate(&cold),
         reserved_growth_on_repeat: warm_peak_reserved as i64 - peak_reserved as i64,
-                failed_allocs: cold.failed + warm.failed,
+        failed_allocs: cold.failed + warm.failed,
         maps: [m1 - m0, m2 - m1],
         samples: cold.samples,
     })
@@ -226,7 +264,10 @@ fn run_events(
 pub fn replay_file(path: &std::path::Path, opts: &ReplayOptions) -> Result<Vec<ReplayReport>> {
     let traces = super::read_file_all(path)?;
     if traces.is_empty() {
-        return Err(Error::Trace { file: path.display().to_string(), msg: "no events".into() });
+        return Err(Error::Trace {
+            file: path.display().to_string(),
+            msg: "no events".into(),
+        });
     }
     traces.iter().map(|t| replay(t, opts)).collect()
 }

@@ -68,7 +68,7 @@ pub struct SimConfig {
     pub vmm: bool,
     /// Delay before every stream operation runs.
     pub op_delay: Duration,
-        /// How memory is backed.
+    /// How memory is backed.
     pub backing: SimBacking,
     /// Run every stream operation inline, at enqueue, on the calling thread
     /// (no worker threads). Work then completes in enqueue order across all
@@ -87,7 +87,7 @@ impl Default for SimConfig {
             granularity: 2 << 20,
             vmm: true,
             op_delay: Duration::ZERO,
-                        backing: SimBacking::Memory,
+            backing: SimBacking::Memory,
             sync_streams: false,
         }
     }
@@ -209,7 +209,7 @@ impl SimBackend {
         Ok(Arc::new(SimStream::new(dev, tx)))
     }
 
-        /// Queues `op` on `st`, or runs it at once in synchronous mode.
+    /// Queues `op` on `st`, or runs it at once in synchronous mode.
     fn push_op(&self, dev: usize, st: &Arc<SimStream>, op: Op) -> Result<()> {
         if self.cfg.sync_streams {
             st.check_open()?;
@@ -357,12 +357,16 @@ impl SimBackend {
         delay: Duration,
         op: KernelOp,
     ) -> Result<()> {
-        self.push_op(dev, &self.stream(dev, stream)?, Op::Kernel {
-            ptr: ptr.0,
-            len,
-            delay,
-            op,
-        })
+        self.push_op(
+            dev,
+            &self.stream(dev, stream)?,
+            Op::Kernel {
+                ptr: ptr.0,
+                len,
+                delay,
+                op,
+            },
+        )
     }
 
     /// Enqueues a kernel that writes the pattern of `seed` after `delay`.
@@ -698,11 +702,15 @@ impl Backend for SimBackend {
         value: u8,
     ) -> Result<()> {
         self.counters.count(Call::MemsetAsync);
-        self.push_op(dev, &self.stream(dev, stream)?, Op::Fill {
-            ptr: ptr.0,
-            len: bytes,
-            value,
-        })
+        self.push_op(
+            dev,
+            &self.stream(dev, stream)?,
+            Op::Fill {
+                ptr: ptr.0,
+                len: bytes,
+                value,
+            },
+        )
     }
 
     fn copy_to_host(&self, dev: usize, src: DevicePtr, dst: &mut [u8]) -> Result<()> {

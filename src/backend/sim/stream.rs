@@ -167,7 +167,7 @@ impl SimStream {
         }
     }
 
-        /// An error if the stream was destroyed.
+    /// An error if the stream was destroyed.
     pub(crate) fn check_open(&self) -> Result<()> {
         if self.tx.lock().is_some() {
             Ok(())
@@ -216,7 +216,12 @@ pub(crate) fn execute(device: usize, op: Op, exec: &dyn Executor) {
         Op::Wait(ev, seq) => ev.wait_for(seq),
         Op::Moves(m) => exec.run_moves(device, &m),
         Op::Fill { ptr, len, value } => exec.run_fill(device, ptr, len, value),
-        Op::Kernel { ptr, len, delay, op } => {
+        Op::Kernel {
+            ptr,
+            len,
+            delay,
+            op,
+        } => {
             if !delay.is_zero() {
                 std::thread::sleep(delay);
             }
