@@ -21,7 +21,9 @@
 //!   sharing one [`MutexBestFit`]. Throughput is
 //!   in operations per second, where an operation is one alloc or one free
 //!   (a pair is two), over the wall time from a common start barrier to the
-//!   last thread's end.
+//!   last thread's end. Each row also gives the threads' CPU time over
+//!   threads x wall time: on a machine shared with other work (load above
+//!   the core count) that share falls and the scaling figures mean little.
 //! * **`random_allocations`**: RAPIDS RMM's `random_allocations` benchmark:
 //!   `2n` steps; each draws a size uniform in `[1, 1 MiB]` (RMM's smallest
 //!   `max_size`) and allocates with probability 73% while fewer than `n`
@@ -105,6 +107,9 @@ pub struct MachineInfo {
     pub profile: String,
     /// The backend the pools ran on.
     pub backend: String,
+    /// The 1-minute load average when the run started (Linux; `null`
+    /// elsewhere). Above a fraction of `cores`, other work shared the CPUs.
+    pub load_average: Option<f64>,
 }
 
 /// Median nanoseconds of one alloc + free pair, single thread.
@@ -143,6 +148,14 @@ pub struct ThreadsRow {
     pub gpupool_vs_mutex: f64,
     /// The mutex baseline's throughput over its 1-thread throughput.
     pub mutex_vs_1_thread: f64,
+    /// Share of the wall time gpupool's threads were on a CPU (thread CPU
+    /// time over threads x wall time). Well under 1 means the machine was
+    /// oversubscribed (other processes ran), so the scaling figures
+    /// understate the pool.
+    pub gpupool_cpu_share: f64,
+    /// The same for the mutex baseline; here waits for the lock (futex
+    /// sleeps) lower it too.
+    pub mutex_best_fit_cpu_share: f64,
 }
 
 /// One row of RMM's random_allocations benchmark.
@@ -327,29 +340,62 @@ fn pair_ns(plan: &Plan) -> Result<PairNs> {
     })
 }
 
+/// CPU time of the calling thread, in seconds.
+fn thread_cpu_secs() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return f64::NAN;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// The 1-minute load average (Linux), if readable.
+fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Throughput of one timed thread run.
+#[derive(Debug, Clone, Copy)]
+struct Throughput {
+    ops_per_sec: f64,
+    /// Thread CPU time over (threads x wall time).
+    cpu_share: f64,
+}
+
 /// Runs `pairs` calls of `pair(i)` on each of `threads` threads after a
-/// common barrier; returns operations (2 per pair) per second.
+/// common barrier; returns operations (2 per pair) per second and the share
+/// of the wall time the threads spent on a CPU.
 fn timed_threads(
     threads: usize,
     warmup: usize,
     pairs: u64,
     pair: impl Fn(usize) -> Result<()> + Sync,
-) -> Result<f64> {
+) -> Result<Throughput> {
     let barrier = Barrier::new(threads);
     let spans = std::thread::scope(|sc| {
         let handles: Vec<_> = (0..threads)
             .map(|i| {
                 let (barrier, pair) = (&barrier, &pair);
-                sc.spawn(move || -> Result<(Instant, Instant)> {
+                sc.spawn(move || -> Result<(Instant, Instant, f64)> {
                     let warm = (0..warmup).try_for_each(|_| pair(i));
                     // Everyone reaches the barrier, even after an error.
                     barrier.wait();
                     warm?;
-                    let t0 = Instant::now();
+                    let (t0, c0) = (Instant::now(), thread_cpu_secs());
                     for _ in 0..pairs {
                         pair(i)?;
                     }
-                    Ok((t0, Instant::now()))
+                    Ok((t0, Instant::now(), thread_cpu_secs() - c0))
                 })
             })
             .collect();
@@ -361,15 +407,21 @@ fn timed_threads(
     let start = spans.iter().map(|s| s.0).min().expect("threads >= 1");
     let end = spans.iter().map(|s| s.1).max().expect("threads >= 1");
     let secs = (end - start).as_secs_f64().max(1e-9);
-    Ok(2.0 * pairs as f64 * threads as f64 / secs)
+    let cpu: f64 = spans.iter().map(|s| s.2).sum();
+    Ok(Throughput {
+        ops_per_sec: 2.0 * pairs as f64 * threads as f64 / secs,
+        cpu_share: (cpu / (secs * threads as f64)).min(1.0),
+    })
 }
 
-fn median_of(reps: usize, mut f: impl FnMut() -> Result<f64>) -> Result<f64> {
+/// The run of median throughput out of `reps`.
+fn median_of(reps: usize, mut f: impl FnMut() -> Result<Throughput>) -> Result<Throughput> {
     let mut v = (0..reps.max(1)).map(|_| f()).collect::<Result<Vec<_>>>()?;
-    Ok(median(&mut v))
+    v.sort_by(|a, b| a.ops_per_sec.total_cmp(&b.ops_per_sec));
+    Ok(v[v.len() / 2])
 }
 
-fn gpupool_threads(dev: &DevicePool, plan: &Plan, threads: usize) -> Result<f64> {
+fn gpupool_threads(dev: &DevicePool, plan: &Plan, threads: usize) -> Result<Throughput> {
     let streams = (0..threads)
         .map(|_| dev.new_stream())
         .collect::<Result<Vec<_>>>()?;
@@ -382,7 +434,7 @@ fn gpupool_threads(dev: &DevicePool, plan: &Plan, threads: usize) -> Result<f64>
     })
 }
 
-fn mutex_threads(plan: &Plan, threads: usize) -> Result<f64> {
+fn mutex_threads(plan: &Plan, threads: usize) -> Result<Throughput> {
     let a = MutexBestFit::new(CAPACITY_BYTES);
     median_of(plan.thread_reps, || {
         timed_threads(threads, plan.warmup, plan.mutex_thread_pairs, |_| {
@@ -402,16 +454,18 @@ fn threads_table(plan: &Plan, max_threads: usize) -> Result<Vec<ThreadsRow>> {
     for t in 1..=max_threads {
         let g = gpupool_threads(dev, plan, t)?;
         let m = mutex_threads(plan, t)?;
-        let (g1, m1) = rows.first().map_or((g, m), |r| {
+        let (g1, m1) = rows.first().map_or((g.ops_per_sec, m.ops_per_sec), |r| {
             (r.gpupool_ops_per_sec, r.mutex_best_fit_ops_per_sec)
         });
         rows.push(ThreadsRow {
             threads: t,
-            gpupool_ops_per_sec: g,
-            mutex_best_fit_ops_per_sec: m,
-            gpupool_vs_1_thread: g / g1,
-            gpupool_vs_mutex: g / m,
-            mutex_vs_1_thread: m / m1,
+            gpupool_ops_per_sec: g.ops_per_sec,
+            mutex_best_fit_ops_per_sec: m.ops_per_sec,
+            gpupool_vs_1_thread: g.ops_per_sec / g1,
+            gpupool_vs_mutex: g.ops_per_sec / m.ops_per_sec,
+            mutex_vs_1_thread: m.ops_per_sec / m1,
+            gpupool_cpu_share: g.cpu_share,
+            mutex_best_fit_cpu_share: m.cpu_share,
         });
     }
     Ok(rows)
@@ -601,6 +655,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
             }
             .into(),
             backend: "sim (accounting)".into(),
+            load_average: load_average(),
         },
         pair_ns: pair_ns(&plan)?,
         threads: threads_table(&plan, max_threads)?,
@@ -641,12 +696,14 @@ impl fmt::Display for BenchReport {
         let m = &self.machine;
         writeln!(
             f,
-            "gpupool bench ({}{} build; {} core(s), {}/{}; {}; {:.1} s)",
+            "gpupool bench ({}{} build; {} core(s), {}/{}, load {}; {}; {:.1} s)",
             if self.quick { "quick, " } else { "" },
             m.profile,
             m.cores,
             m.os,
             m.arch,
+            m.load_average
+                .map_or_else(|| "unknown".into(), |l| format!("{l:.2}")),
             m.backend,
             self.seconds
         )?;
@@ -694,21 +751,27 @@ impl fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "  {:>7}  {:>12} {:>8}  {:>12} {:>8}  {:>13}",
-            "threads", "gpupool", "vs 1 thr", "mutex_bf", "vs 1 thr", "gpupool/mutex"
+            "  {:>7}  {:>10} {:>8} {:>4}  {:>10} {:>8} {:>4}  {:>13}",
+            "threads", "gpupool", "vs 1 thr", "cpu", "mutex_bf", "vs 1 thr", "cpu", "gpupool/mutex"
         )?;
         for r in &self.threads {
             writeln!(
                 f,
-                "  {:>7}  {:>12} {:>7.2}x  {:>12} {:>7.2}x  {:>12.1}x",
+                "  {:>7}  {:>10} {:>7.2}x {:>3.0}%  {:>10} {:>7.2}x {:>3.0}%  {:>12.1}x",
                 r.threads,
                 fmt_rate(r.gpupool_ops_per_sec),
                 r.gpupool_vs_1_thread,
+                r.gpupool_cpu_share * 100.0,
                 fmt_rate(r.mutex_best_fit_ops_per_sec),
                 r.mutex_vs_1_thread,
+                r.mutex_best_fit_cpu_share * 100.0,
                 r.gpupool_vs_mutex
             )?;
         }
+        writeln!(
+            f,
+            "  (cpu: the threads' CPU time over threads x wall time; under ~90% for gpupool\n   means other processes shared the cores and the scaling is understated)"
+        )?;
         writeln!(f)?;
         let max = self
             .random_allocations
@@ -808,7 +871,12 @@ mod tests {
         for row in random {
             assert!(row["ns_per_op"].is_f64());
         }
-        assert!(check_numbers(&j, "report") > 20);
+        let figures: usize = ["pair_ns", "threads", "random_allocations", "targets"]
+            .iter()
+            .map(|k| check_numbers(&j[*k], k))
+            .sum();
+        assert!(figures > 20, "{figures}");
+        assert!(j["machine"]["cores"].as_u64().unwrap() >= 1);
         assert_eq!(j["quick"], true);
         assert_eq!(r.targets.len(), 4, "no n = 1e5 row in quick mode");
         let table = r.to_string();
