@@ -13,6 +13,8 @@ pub mod bench;
 pub mod config;
 pub mod demo;
 mod error;
+pub mod export;
+pub mod ffi;
 pub mod pool;
 mod ptr;
 pub mod runtime;

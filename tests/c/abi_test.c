@@ -1,0 +1,435 @@
+/*
+ * Exercises every function of include/gpupool.h against the simulator:
+ * lifecycle, allocation, streams, stats, snapshots, the PyTorch hooks, every
+ * bad-input case (status, message, and unchanged stats), 8 threads
+ * allocating and freeing concurrently, and calls after shutdown.
+ *
+ * Built and run by tests/c_abi.rs:
+ *   cc -std=c11 -Wall -Wextra -Werror -pthread -I include tests/c/abi_test.c \
+ *      -L <dir of libgpupool.so> -lgpupool -o abi_test
+ *   abi_test <scratch dir>
+ * Exit status 0 when every check passed.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "gpupool.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+static int passed, failed;
+
+#define CHECK(cond, ...)                                                       \
+    do {                                                                       \
+        if (cond) {                                                            \
+            passed++;                                                          \
+        } else {                                                               \
+            failed++;                                                          \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);    \
+            fprintf(stderr, __VA_ARGS__);                                      \
+            fprintf(stderr, " (last error: \"%s\")\n", gpupool_last_error());  \
+        }                                                                      \
+    } while (0)
+
+/* A call that must return `want` with a message containing `needle`
+ * ("" after a success). */
+#define EXPECT(call, want, needle)                                             \
+    do {                                                                       \
+        int rc_ = (call);                                                      \
+        const char *m_ = gpupool_last_error();                                 \
+        CHECK(rc_ == (want), "%s returned %s, want %s", #call,                 \
+              gpupool_status_name(rc_), gpupool_status_name(want));            \
+        if ((want) == GPUPOOL_STATUS_OK) {                                     \
+            CHECK(m_[0] == '\0', "%s: message after success: %s", #call, m_);  \
+        } else {                                                               \
+            CHECK(strstr(m_, (needle)) != NULL,                                \
+                  "%s: message \"%s\" lacks \"%s\"", #call, m_, (needle));     \
+        }                                                                      \
+    } while (0)
+
+#define KIB ((size_t)1 << 10)
+#define MIB ((size_t)1 << 20)
+
+static char before[2][8192], after[2][8192];
+
+static void stats_of(int dev, char *buf, size_t len) {
+    int rc = gpupool_stats_json(dev, buf, len);
+    CHECK(rc == GPUPOOL_STATUS_OK, "stats_json(%d) = %s", dev, gpupool_status_name(rc));
+}
+
+static void snap_before(void) {
+    stats_of(0, before[0], sizeof before[0]);
+    stats_of(1, before[1], sizeof before[1]);
+}
+
+/* Stats of both devices are as they were at snap_before(). */
+static void same_state(const char *what) {
+    stats_of(0, after[0], sizeof after[0]);
+    stats_of(1, after[1], sizeof after[1]);
+    CHECK(strcmp(before[0], after[0]) == 0 && strcmp(before[1], after[1]) == 0,
+          "state changed by %s:\n  before %s\n  after  %s", what, before[0], after[0]);
+}
+
+/* A bad call: returns `want`, its message contains `needle`, and the stats
+ * of both devices are unchanged. */
+#define BAD(call, want, needle)                                                \
+    do {                                                                       \
+        snap_before();                                                         \
+        EXPECT(call, want, needle);                                            \
+        same_state(#call);                                                     \
+    } while (0)
+
+/* Reads an unsigned field `"key":N` or `"key":{"current":N` from JSON. */
+static unsigned long long field(const char *json, const char *key, int current) {
+    char pat[128];
+    snprintf(pat, sizeof pat, current ? "\"%s\":{\"current\":" : "\"%s\":", key);
+    const char *p = strstr(json, pat);
+    if (!p) return (unsigned long long)-1;
+    return strtoull(p + strlen(pat), NULL, 10);
+}
+
+static unsigned long long stat_now(int dev, const char *key, int current) {
+    char buf[8192];
+    if (gpupool_stats_json(dev, buf, sizeof buf) != GPUPOOL_STATUS_OK) return (unsigned long long)-1;
+    return field(buf, key, current);
+}
+
+/* ---- threads --------------------------------------------------------------------- */
+
+#define THREADS 8
+#define OPS 20000
+#define LIVE 24
+
+struct worker {
+    int id, dev;
+    int errors;
+    long ops;
+    char first_error[512];
+};
+
+static unsigned rnd(unsigned *s) {
+    *s = *s * 1103515245u + 12345u;
+    return (*s >> 8) & 0xffffff;
+}
+
+static void werr(struct worker *w, const char *what, int rc) {
+    if (w->errors++ == 0)
+        snprintf(w->first_error, sizeof w->first_error, "%s: %s: %s", what,
+                 gpupool_status_name(rc), gpupool_last_error());
+}
+
+static void *worker_main(void *arg) {
+    struct worker *w = arg;
+    void *s = NULL, *s2 = NULL;
+    int rc;
+    if ((rc = gpupool_stream_create(w->dev, &s)) != GPUPOOL_STATUS_OK) { werr(w, "stream_create", rc); return NULL; }
+    if ((rc = gpupool_stream_create(w->dev, &s2)) != GPUPOOL_STATUS_OK) { werr(w, "stream_create", rc); return NULL; }
+    void *ptr[LIVE] = {0};
+    size_t size[LIVE] = {0};
+    uint64_t tag[LIVE] = {0};
+    unsigned seed = 12345u + 7919u * (unsigned)w->id;
+    for (long op = 0; op < OPS; op++) {
+        int k = (int)(rnd(&seed) % LIVE);
+        if (ptr[k]) {
+            /* Memory is host-backed on the simulator: the tags written at
+             * allocation must still be there (no overlap, no early reuse). */
+            uint64_t head, tail;
+            memcpy(&head, ptr[k], 8);
+            memcpy(&tail, (char *)ptr[k] + size[k] - 8, 8);
+            if (head != tag[k] || tail != ~tag[k]) werr(w, "integrity", -1);
+            if ((rc = gpupool_free(ptr[k], w->dev, s)) != GPUPOOL_STATUS_OK) werr(w, "free", rc);
+            ptr[k] = NULL;
+        } else {
+            unsigned r = rnd(&seed);
+            size_t n = (r % 16 == 0) ? 256 * KIB + (size_t)(r % (2 * MIB)) /* large */
+                                     : 16 + (size_t)(r % (64 * KIB));     /* small */
+            void *p = NULL;
+            if ((rc = gpupool_alloc(n, w->dev, s, &p)) != GPUPOOL_STATUS_OK || !p) {
+                werr(w, "alloc", rc);
+                continue;
+            }
+            if ((uintptr_t)p % 256 != 0) werr(w, "alignment", -1);
+            tag[k] = ((uint64_t)w->id << 56) ^ ((uint64_t)op << 20) ^ n;
+            uint64_t inv = ~tag[k];
+            memcpy(p, &tag[k], 8);
+            memcpy((char *)p + n - 8, &inv, 8);
+            if (r % 64 == 1 && (rc = gpupool_record_stream(p, w->dev, s2)) != GPUPOOL_STATUS_OK)
+                werr(w, "record_stream", rc);
+            ptr[k] = p;
+            size[k] = n;
+        }
+        w->ops++;
+    }
+    for (int k = 0; k < LIVE; k++)
+        if (ptr[k] && (rc = gpupool_free(ptr[k], w->dev, s)) != GPUPOOL_STATUS_OK) werr(w, "free", rc);
+    if ((rc = gpupool_stream_destroy(w->dev, s)) != GPUPOOL_STATUS_OK) werr(w, "stream_destroy", rc);
+    if ((rc = gpupool_stream_destroy(w->dev, s2)) != GPUPOOL_STATUS_OK) werr(w, "stream_destroy", rc);
+    return NULL;
+}
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+int main(int argc, char **argv) {
+    const char *scratch = argc > 1 ? argv[1] : ".";
+    const char *conf = "backend=sim,devices=2,capacity=256MiB";
+    char buf[65536];
+    void *p = NULL, *q = NULL, *s0 = NULL, *s0b = NULL, *s1 = NULL;
+    int n = 0;
+    int dummy = 0;
+
+    /* ---- before init --------------------------------------------------------- */
+    CHECK(gpupool_version()[0] != '\0', "version \"%s\"", gpupool_version());
+    CHECK(strcmp(gpupool_status_name(GPUPOOL_STATUS_DOUBLE_FREE), "GPUPOOL_STATUS_DOUBLE_FREE") == 0, "status name");
+    CHECK(strcmp(gpupool_status_name(12345), "GPUPOOL_STATUS_UNKNOWN") == 0, "unknown status name");
+    EXPECT(gpupool_alloc(64, 0, NULL, &p), GPUPOOL_STATUS_NOT_INITIALIZED, "gpupool_init first");
+    CHECK(p == NULL, "out not cleared");
+    EXPECT(gpupool_free(&dummy, 0, NULL), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
+    EXPECT(gpupool_stats_json(0, buf, sizeof buf), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
+    EXPECT(gpupool_shutdown(), GPUPOOL_STATUS_NOT_INITIALIZED, "nothing to shut down");
+    EXPECT(gpupool_device_count(&n), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
+    EXPECT(gpupool_selftest_panic(), GPUPOOL_STATUS_PANIC, "deliberate panic");
+    EXPECT(gpupool_init("backend=sim,devices=2,colour=blue"), GPUPOOL_STATUS_CONFIG, "colour");
+    EXPECT(gpupool_init("backend=tpu"), GPUPOOL_STATUS_CONFIG, "backend");
+    EXPECT(gpupool_init("backend=sim,capacity=lots"), GPUPOOL_STATUS_CONFIG, "capacity");
+    EXPECT(gpupool_init("backend=sim,devices=0"), GPUPOOL_STATUS_CONFIG, "devices");
+    EXPECT(gpupool_init("backend=sim,\xff=1"), GPUPOOL_STATUS_INVALID_ARGUMENT, "UTF-8");
+    EXPECT(gpupool_stream_create(0, &s0), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
+
+    /* ---- init ---------------------------------------------------------------- */
+    EXPECT(gpupool_init(conf), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_init(conf), GPUPOOL_STATUS_ALREADY_INITIALIZED, "already initialized");
+    EXPECT(gpupool_init(NULL), GPUPOOL_STATUS_ALREADY_INITIALIZED, "already initialized");
+    EXPECT(gpupool_device_count(&n), GPUPOOL_STATUS_OK, "");
+    CHECK(n == 2, "device count %d", n);
+
+    /* ---- streams --------------------------------------------------------------- */
+    EXPECT(gpupool_stream_create(0, &s0), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_stream_create(0, &s0b), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_stream_create(1, &s1), GPUPOOL_STATUS_OK, "");
+    CHECK(s0 && s0b && s1 && s0 != s0b && s0 != s1, "stream handles %p %p %p", s0, s0b, s1);
+
+    /* ---- allocation, real memory ------------------------------------------------ */
+    size_t sizes[] = {1, 300, 4096, 70000, 3 * MIB, 9 * MIB + 17};
+    void *ptrs[6];
+    for (int i = 0; i < 6; i++) {
+        void *stream = i % 2 ? s0 : NULL;
+        EXPECT(gpupool_alloc(sizes[i], 0, stream, &ptrs[i]), GPUPOOL_STATUS_OK, "");
+        CHECK(ptrs[i] && (uintptr_t)ptrs[i] % 256 == 0, "ptr %p", ptrs[i]);
+        if (ptrs[i]) memset(ptrs[i], 0x40 + i, sizes[i]);
+    }
+    for (int i = 0; i < 6; i++) {
+        const unsigned char *b = ptrs[i];
+        CHECK(b && b[0] == 0x40 + i && b[sizes[i] - 1] == 0x40 + i, "block %d overwritten", i);
+    }
+    CHECK(stat_now(0, "allocated_bytes", 1) == 1 + 300 + 4096 + 70000 + 3 * MIB + 9 * MIB + 17,
+          "allocated_bytes %llu", stat_now(0, "allocated_bytes", 1));
+    CHECK(stat_now(0, "num_allocs", 0) == 6, "num_allocs %llu", stat_now(0, "num_allocs", 0));
+    CHECK(stat_now(0, "device", 0) == 0 && stat_now(1, "device", 0) == 1, "device field");
+
+    /* record_stream onto a second stream, then free on the first. */
+    EXPECT(gpupool_record_stream(ptrs[2], 0, s0b), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_record_stream(ptrs[2], 0, s0b), GPUPOOL_STATUS_OK, "");
+
+    /* ---- stats buffer protocol ------------------------------------------------- */
+    EXPECT(gpupool_stats_json(0, buf, sizeof buf), GPUPOOL_STATUS_OK, "");
+    size_t need = gpupool_needed_len();
+    CHECK(need == strlen(buf) + 1, "needed %zu vs %zu", need, strlen(buf) + 1);
+    CHECK(strstr(buf, "\"reserved_bytes\":{\"current\":") && strstr(buf, "\"num_ooms\":0"), "stats json %s", buf);
+    EXPECT(gpupool_stats_json(0, NULL, 0), GPUPOOL_STATUS_BUFFER_TOO_SMALL, "bytes needed");
+    CHECK(gpupool_needed_len() == need, "query %zu vs %zu", gpupool_needed_len(), need);
+    char small[16];
+    memset(small, 'x', sizeof small);
+    BAD(gpupool_stats_json(0, small, sizeof small), GPUPOOL_STATUS_BUFFER_TOO_SMALL, "bytes needed");
+    CHECK(small[0] == '\0' && small[1] == 'x', "small buffer touched beyond [0]");
+    BAD(gpupool_stats_json(0, NULL, 100), GPUPOOL_STATUS_NULL_ARGUMENT, "`buf` is NULL");
+    BAD(gpupool_stats_json(2, buf, sizeof buf), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 2");
+    BAD(gpupool_stats_json(-1, buf, sizeof buf), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device -1");
+
+    /* ---- bad inputs: each returns its status and message, changes nothing ---------- */
+    BAD(gpupool_alloc(64, 0, NULL, NULL), GPUPOOL_STATUS_NULL_ARGUMENT, "`out` is NULL");
+    BAD(gpupool_alloc(0, 0, NULL, &q), GPUPOOL_STATUS_INVALID_SIZE, "zero-byte");
+    CHECK(q == NULL, "out set on failure");
+    BAD(gpupool_alloc((size_t)1 << 60, 0, NULL, &q), GPUPOOL_STATUS_INVALID_SIZE, "larger than the device");
+    BAD(gpupool_alloc(64, 2, NULL, &q), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 2");
+    BAD(gpupool_alloc(64, -1, NULL, &q), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device -1");
+    BAD(gpupool_alloc(64, 0, s1, &q), GPUPOOL_STATUS_INVALID_HANDLE, "belongs to device 1");
+    BAD(gpupool_alloc(64, 0, (void *)0x7777, &q), GPUPOOL_STATUS_INVALID_HANDLE, "unknown stream");
+    BAD(gpupool_free(NULL, 0, NULL), GPUPOOL_STATUS_NULL_ARGUMENT, "`ptr` is NULL");
+    BAD(gpupool_free(&dummy, 0, NULL), GPUPOOL_STATUS_UNKNOWN_POINTER, "unknown pointer");
+    BAD(gpupool_free((char *)ptrs[1] + 8, 0, NULL), GPUPOOL_STATUS_UNKNOWN_POINTER, "unknown pointer");
+    BAD(gpupool_free((char *)ptrs[4] + 256, 0, NULL), GPUPOOL_STATUS_UNKNOWN_POINTER, "unknown pointer");
+    BAD(gpupool_free(ptrs[1], 1, NULL), GPUPOOL_STATUS_WRONG_DEVICE, "allocated on device 0, not on device 1");
+    BAD(gpupool_free(ptrs[4], 1, NULL), GPUPOOL_STATUS_WRONG_DEVICE, "allocated on device 0, not on device 1");
+    BAD(gpupool_free(ptrs[1], 3, NULL), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 3");
+    BAD(gpupool_free(ptrs[1], 0, s1), GPUPOOL_STATUS_INVALID_HANDLE, "belongs to device 1");
+    BAD(gpupool_record_stream(NULL, 0, s0), GPUPOOL_STATUS_NULL_ARGUMENT, "`ptr` is NULL");
+    BAD(gpupool_record_stream(&dummy, 0, s0), GPUPOOL_STATUS_UNKNOWN_POINTER, "unknown pointer");
+    BAD(gpupool_record_stream(ptrs[1], 1, s1), GPUPOOL_STATUS_WRONG_DEVICE, "allocated on device 0");
+    BAD(gpupool_record_stream(ptrs[1], 0, (void *)0x7777), GPUPOOL_STATUS_INVALID_HANDLE, "unknown stream");
+    BAD(gpupool_stream_create(0, NULL), GPUPOOL_STATUS_NULL_ARGUMENT, "`out` is NULL");
+    BAD(gpupool_stream_create(9, &q), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 9");
+    BAD(gpupool_stream_destroy(0, NULL), GPUPOOL_STATUS_INVALID_HANDLE, "default stream");
+    BAD(gpupool_stream_destroy(0, s1), GPUPOOL_STATUS_INVALID_HANDLE, "belongs to device 1");
+    BAD(gpupool_stream_destroy(0, (void *)0x7777), GPUPOOL_STATUS_INVALID_HANDLE, "unknown stream");
+    BAD(gpupool_device_count(NULL), GPUPOOL_STATUS_NULL_ARGUMENT, "`out` is NULL");
+    BAD(gpupool_snapshot_pickle(0, NULL), GPUPOOL_STATUS_NULL_ARGUMENT, "`path` is NULL");
+    BAD(gpupool_snapshot_pickle(5, "x.pickle"), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 5");
+    BAD(gpupool_snapshot_pickle(0, "/nonexistent-dir/x.pickle"), GPUPOOL_STATUS_IO, "nonexistent-dir");
+    BAD(gpupool_snapshot_json(0, NULL, 10), GPUPOOL_STATUS_NULL_ARGUMENT, "`buf` is NULL");
+    BAD(gpupool_snapshot_json(0, small, sizeof small), GPUPOOL_STATUS_BUFFER_TOO_SMALL, "bytes needed");
+    BAD(gpupool_record_history(4, 1), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 4");
+    BAD(gpupool_init(conf), GPUPOOL_STATUS_ALREADY_INITIALIZED, "already initialized");
+    BAD(gpupool_selftest_panic(), GPUPOOL_STATUS_PANIC, "deliberate panic");
+
+    /* Double frees: the first free works, the second changes nothing. */
+    EXPECT(gpupool_free(ptrs[1], 0, s0), GPUPOOL_STATUS_OK, "");
+    BAD(gpupool_free(ptrs[1], 0, s0), GPUPOOL_STATUS_DOUBLE_FREE, "double free");
+    EXPECT(gpupool_free(ptrs[4], 0, NULL), GPUPOOL_STATUS_OK, "");
+    /* Large blocks: the pool cannot tell a freed large pointer from a
+     * never-allocated one (see the report); either status is typed. */
+    snap_before();
+    {
+        int rc = gpupool_free(ptrs[4], 0, NULL);
+        CHECK(rc == GPUPOOL_STATUS_DOUBLE_FREE || rc == GPUPOOL_STATUS_UNKNOWN_POINTER,
+              "large double free: %s", gpupool_status_name(rc));
+        printf("large double free: %s (%s)\n", gpupool_status_name(rc), gpupool_last_error());
+        same_state("large double free");
+    }
+
+    /* Out of memory: 2 x 200 MiB on a 256 MiB device. */
+    EXPECT(gpupool_alloc(200 * MIB, 1, s1, &p), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_alloc(200 * MIB, 1, s1, &q), GPUPOOL_STATUS_OUT_OF_MEMORY, "requested");
+    CHECK(q == NULL, "out after OOM");
+    CHECK(stat_now(1, "num_ooms", 0) == 1, "num_ooms %llu", stat_now(1, "num_ooms", 0));
+    EXPECT(gpupool_free(p, 1, s1), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_alloc(200 * MIB, 1, s1, &q), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_free(q, 1, s1), GPUPOOL_STATUS_OK, "");
+
+    /* ---- history and snapshots ------------------------------------------------ */
+    EXPECT(gpupool_record_history(-1, 1), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_alloc(5000, 0, s0, &p), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_alloc(5000, 0, s0, &q), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_free(q, 0, s0), GPUPOOL_STATUS_OK, "");
+    /* Size query, then a buffer with slack (slabs list every slot: big). */
+    EXPECT(gpupool_snapshot_json(0, NULL, 0), GPUPOOL_STATUS_BUFFER_TOO_SMALL, "size query");
+    size_t snap_len = gpupool_needed_len() + 4096;
+    CHECK(snap_len > 4096 + 100, "snapshot size %zu", snap_len);
+    char *sj = malloc(snap_len);
+    EXPECT(gpupool_snapshot_json(0, sj, snap_len), GPUPOOL_STATUS_OK, "");
+    CHECK(sj[0] == '[' && strstr(sj, "\"segments\"") && strstr(sj, "\"active_allocated\"") &&
+              strstr(sj, "\"free_requested\""),
+          "snapshot json %.200s", sj);
+    CHECK(gpupool_needed_len() == strlen(sj) + 1, "needed_len after success");
+    free(sj);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/abi_snapshot.pickle", scratch);
+    EXPECT(gpupool_snapshot_pickle(-1, path), GPUPOOL_STATUS_OK, "");
+    struct stat st;
+    CHECK(stat(path, &st) == 0 && st.st_size > 100, "pickle written to %s", path);
+    EXPECT(gpupool_record_history(-1, 0), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_free(p, 0, s0), GPUPOOL_STATUS_OK, "");
+
+    /* ---- the PyTorch hooks ------------------------------------------------------- */
+    p = gpupool_torch_malloc(0, 0, NULL);
+    CHECK(p == NULL && gpupool_last_error()[0] == '\0', "torch_malloc(0) = %p", p);
+    snap_before();
+    p = gpupool_torch_malloc(-5, 0, NULL);
+    CHECK(p == NULL && strstr(gpupool_last_error(), "negative"), "torch_malloc(-5) = %p", p);
+    same_state("torch_malloc(-5)");
+    p = gpupool_torch_malloc(64, 7, NULL);
+    CHECK(p == NULL && strstr(gpupool_last_error(), "invalid device 7"), "torch_malloc dev 7");
+    p = gpupool_torch_malloc(1000, 0, s0);
+    CHECK(p != NULL && gpupool_last_error()[0] == '\0', "torch_malloc(1000) = %p", p);
+    gpupool_torch_record_stream(p, s0b);
+    CHECK(gpupool_last_error()[0] == '\0', "torch_record_stream");
+    gpupool_torch_record_stream(&dummy, s0b);
+    CHECK(strstr(gpupool_last_error(), "unknown pointer") != NULL, "torch_record_stream unknown");
+    gpupool_torch_free(p, 1000, 0, s0);
+    CHECK(gpupool_last_error()[0] == '\0', "torch_free");
+    gpupool_torch_free(NULL, 0, 0, NULL);
+    CHECK(gpupool_last_error()[0] == '\0', "torch_free(NULL)");
+    snap_before();
+    gpupool_torch_free(p, 1000, 0, s0);
+    CHECK(strstr(gpupool_last_error(), "double free") != NULL, "torch double free");
+    same_state("torch double free");
+
+    /* ---- free the rest, trim ------------------------------------------------------ */
+    for (int i = 0; i < 6; i++) {
+        if (i == 1 || i == 4) continue;
+        EXPECT(gpupool_free(ptrs[i], 0, i % 2 ? s0 : NULL), GPUPOOL_STATUS_OK, "");
+    }
+    CHECK(stat_now(0, "allocated_bytes", 1) == 0, "live bytes left %llu", stat_now(0, "allocated_bytes", 1));
+    EXPECT(gpupool_trim(), GPUPOOL_STATUS_OK, "");
+    CHECK(stat_now(0, "reserved_bytes", 1) == 0 && stat_now(1, "reserved_bytes", 1) == 0,
+          "reserved after trim: %llu %llu", stat_now(0, "reserved_bytes", 1), stat_now(1, "reserved_bytes", 1));
+
+    /* ---- 8 threads at once ------------------------------------------------------- */
+    struct worker w[THREADS];
+    pthread_t th[THREADS];
+    double t0 = now_s();
+    for (int i = 0; i < THREADS; i++) {
+        memset(&w[i], 0, sizeof w[i]);
+        w[i].id = i;
+        w[i].dev = i % 2;
+        CHECK(pthread_create(&th[i], NULL, worker_main, &w[i]) == 0, "pthread_create");
+    }
+    long ops = 0;
+    int errors = 0;
+    for (int i = 0; i < THREADS; i++) {
+        pthread_join(th[i], NULL);
+        ops += w[i].ops;
+        errors += w[i].errors;
+        if (w[i].errors) fprintf(stderr, "thread %d: %d errors, first: %s\n", i, w[i].errors, w[i].first_error);
+    }
+    double dt = now_s() - t0;
+    CHECK(errors == 0, "%d errors in the threads", errors);
+    CHECK(ops == (long)THREADS * OPS, "ops %ld", ops);
+    CHECK(stat_now(0, "allocated_bytes", 1) == 0 && stat_now(1, "allocated_bytes", 1) == 0,
+          "live bytes after threads: %llu %llu", stat_now(0, "allocated_bytes", 1), stat_now(1, "allocated_bytes", 1));
+    printf("threads: %d threads, %ld ops (alloc or free), %d errors, %.3f s\n", THREADS, ops, errors, dt);
+
+    /* ---- shutdown and after --------------------------------------------------------- */
+    EXPECT(gpupool_alloc(4096, 0, s0, &p), GPUPOOL_STATUS_OK, ""); /* left live on purpose */
+    EXPECT(gpupool_shutdown(), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_shutdown(), GPUPOOL_STATUS_SHUTDOWN, "already shut down");
+    EXPECT(gpupool_alloc(64, 0, NULL, &q), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    CHECK(q == NULL, "out after shutdown");
+    EXPECT(gpupool_free(p, 0, s0), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_record_stream(p, 0, s0), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_stream_create(0, &q), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_stream_destroy(0, s0), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_stats_json(0, buf, sizeof buf), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_snapshot_json(0, buf, sizeof buf), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_snapshot_pickle(0, path), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_record_history(0, 1), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_trim(), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_device_count(&n), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    q = gpupool_torch_malloc(64, 0, NULL);
+    CHECK(q == NULL && strstr(gpupool_last_error(), "shut down"), "torch_malloc after shutdown");
+    gpupool_torch_free(p, 4096, 0, NULL);
+    CHECK(strstr(gpupool_last_error(), "shut down") != NULL, "torch_free after shutdown");
+
+    /* ---- a second life, configured from GPUPOOL_CONF ------------------------------------ */
+    setenv("GPUPOOL_CONF", "backend=sim,devices=1,capacity=64MiB", 1);
+    EXPECT(gpupool_init(NULL), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_device_count(&n), GPUPOOL_STATUS_OK, "");
+    CHECK(n == 1, "device count from GPUPOOL_CONF: %d", n);
+    EXPECT(gpupool_alloc(64, 0, NULL, &p), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_free(p, 0, NULL), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_alloc(64, 1, NULL, &p), GPUPOOL_STATUS_INVALID_DEVICE, "1 device(s) present");
+    EXPECT(gpupool_shutdown(), GPUPOOL_STATUS_OK, "");
+    setenv("GPUPOOL_CONF", "backend=sim,bogus=1", 1);
+    EXPECT(gpupool_init(NULL), GPUPOOL_STATUS_CONFIG, "bogus");
+    EXPECT(gpupool_alloc(64, 0, NULL, &p), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+
+    printf("c_abi: %d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}
