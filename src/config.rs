@@ -65,7 +65,7 @@ impl Default for PoolConfig {
         PoolConfig {
             backend: BackendKind::Auto,
             sim: SimConfig::default(),
-            small_max: 256 << 10,
+            small_max: 32 << 10,
             va_factor: 4,
             handover: true,
             thread_cache: true,

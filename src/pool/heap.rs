@@ -296,7 +296,7 @@ impl Heap {
         }
         ranges.sort_unstable();
         ranges.truncate(WIDTH);
-                // Blocks smaller than a granule go to the high end of a range and
+        // Blocks smaller than a granule go to the high end of a range and
         // larger ones to the low end, so that small blocks collect together
         // instead of pinning granules between large ones.
         let high = len < self.gran;
@@ -317,7 +317,11 @@ impl Heap {
         for &(rlen, raddr) in &ranges {
             let lo = align_up(raddr, align);
             let hi = (raddr + rlen - len) / align * align;
-                        let (a, b) = if high { (hi.max(lo), lo) } else { (lo, hi.max(lo)) };
+            let (a, b) = if high {
+                (hi.max(lo), lo)
+            } else {
+                (lo, hi.max(lo))
+            };
             for start in [a, b] {
                 let c = (self.unbacked(start, len), rlen, raddr, start);
                 if best.is_none_or(|b| (c.0, c.1) < (b.0, b.1)) {
@@ -326,22 +330,6 @@ impl Heap {
             }
         }
         best.map(|b| (b.1, b.2, b.3))
-    }
-
-        /// A place for a slab (`align == len`, a whole number of granules): the
-    /// highest-addressed free range that fits, at its top. Slabs live for
-    /// long and would pin granules between large blocks, so they stack down
-    /// from the top of the reservation while large blocks fill it from the
-    /// bottom.
-    pub(crate) fn place_top(&self, slot: Option<u16>, len: u64, align: u64) -> Option<(u64, u64, u64)> {
-        self.by_addr
-            .iter()
-            .rev()
-            .filter(|(_, r)| r.tag == Tag::Clean || matches!(r.tag, Tag::Dirty(s) if Some(s) == slot))
-            .find_map(|(&a, r)| {
-                let start = (a + r.len - len) / align * align;
-                (r.len >= len && start >= a).then_some((r.len, a, start))
-            })
     }
 
     /// Like [`Heap::alloc`], but only where no granule needs physical
@@ -396,8 +384,8 @@ impl Heap {
         pending_ok: bool,
     ) -> Result<Taken> {
         debug_assert!(len % ALIGN == 0 && len > 0);
-                let placed = if align > ALIGN { self.place_top(slot, len, align) } else { self.place(slot, len, align) };
-        let mut candidates: Vec<(u64, u64, u64)> = placed.into_iter().collect();
+        let mut candidates: Vec<(u64, u64, u64)> =
+            self.place(slot, len, align).into_iter().collect();
         if pending_ok {
             let tags: Vec<Tag> = self
                 .by_tag

@@ -268,7 +268,7 @@ impl PoolShared {
         SegmentInfo {
             device: self.dev,
             address: base,
-            total_size: self.slabs.slab_bytes,
+            total_size: self.slabs.slab_bytes(class),
             allocated_size: live.clone().map(|b| b.size).sum(),
             requested_size: live.map(|b| b.requested_size).sum(),
             segment_type: "small",

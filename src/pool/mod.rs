@@ -67,7 +67,8 @@ struct HeapState {
     /// Events of each pending heap group.
     group_events: HashMap<u32, Waits>,
     /// Slab ids free for reuse.
-    free_slab_ids: Vec<u32>,
+    /// Retired slab ids by class (an id is only reused within its class).
+    free_slab_ids: Vec<Vec<u32>>,
     /// Live large blocks by address.
     large: HashMap<u64, LargeLive>,
     /// Large ranges parked for exact-size reuse on their stream.
@@ -89,7 +90,7 @@ pub(crate) struct PoolShared {
     slabs: Slabs,
     heap: Mutex<HeapState>,
     /// Slab base address -> slab id, for raw frees.
-    slab_index: RwLock<HashMap<u64, u32>>,
+    slab_index: RwLock<std::collections::BTreeMap<u64, u32>>,
     pending: PendingList<Pending>,
     /// Idle events for reuse (a slow-path pool; a mutex is fine here).
     event_pool: Mutex<Vec<EventHandle>>,
@@ -137,9 +138,9 @@ impl DevicePool {
     pub fn new(backend: Arc<dyn Backend>, dev: usize, cfg: PoolConfig) -> Result<DevicePool> {
         let info = backend.device_info(dev)?;
         let gran = info.granularity;
-        let slab_bytes = gran.max(2 << 20);
-        let classes = SizeClasses::new(cfg.small_max.min(slab_bytes / 8));
-        let max_slabs = (info.total_bytes / slab_bytes + 1).min(1 << 20) as u32;
+        let max_slab = gran.max(2 << 20);
+        let classes = SizeClasses::new(cfg.small_max.min(max_slab / 8));
+        let classes_len = classes.len();
         let heap = Heap::new(
             backend.clone(),
             dev,
@@ -147,18 +148,18 @@ impl DevicePool {
         )?;
         let shared = Arc::new(PoolShared {
             dev,
-            slabs: Slabs::new(classes, slab_bytes, max_slabs, STREAM_SLOTS),
+            slabs: Slabs::new(classes, max_slab, info.total_bytes, STREAM_SLOTS),
             heap: Mutex::new(HeapState {
                 heap,
                 group_events: HashMap::default(),
-                free_slab_ids: Vec::new(),
+                free_slab_ids: vec![Vec::new(); classes_len],
                 large: HashMap::default(),
                 exact: exact::ExactCache::default(),
                 quarantine: Vec::new(),
                 slab_bytes: 0,
                 slab_tail_bytes: 0,
             }),
-            slab_index: RwLock::new(HashMap::default()),
+            slab_index: RwLock::new(std::collections::BTreeMap::new()),
             pending: PendingList::new(),
             event_pool: Mutex::new(Vec::new()),
             streams: StreamRegistry::new(),
@@ -465,7 +466,7 @@ impl PoolShared {
         if let Some(i) = self.slabs.pop(class, slot.map(usize::from)) {
             return Ok(Some(i));
         }
-        let sb = self.slabs.slab_bytes;
+        let sb = self.slabs.slab_bytes(class);
         let taken = match h.heap.alloc_backed(sb, sb, slot) {
             Some(t) => t,
             None => {
@@ -473,7 +474,7 @@ impl PoolShared {
                 self.heap_alloc(&mut h, sb, sb, stream, false)?
             }
         };
-        let reuse = h.free_slab_ids.pop();
+        let reuse = h.free_slab_ids[class].pop();
         let Some(idxs) = self.slabs.install(class, taken.addr, reuse) else {
             h.heap.free(taken.addr, taken.from).expect("just allocated");
             return Ok(None);
@@ -718,8 +719,9 @@ impl PoolShared {
 
     /// The slab id holding `addr`, if it lies in a slab.
     fn slab_holding(&self, addr: u64) -> Option<u32> {
-        let base = addr - addr % self.slabs.slab_bytes;
-        self.slab_index.read().get(&base).copied()
+        let (&base, &id) = self.slab_index.read().range(..=addr).next_back()?;
+        let (_, class, _) = self.slabs.slab_info(id);
+        (addr < base + self.slabs.slab_bytes(class)).then_some(id)
     }
 
     fn free_raw(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {

@@ -216,13 +216,13 @@ impl PoolShared {
                 if idxs.len() as u32 == n && c == class {
                     self.slab_index.write().remove(&base);
                     self.slabs.retire(id);
-                    h.free_slab_ids.push(id);
+                    h.free_slab_ids[class].push(id);
                     h.heap
                         .free(base, Tag::Clean)
                         .expect("slabs are allocated ranges");
-                    h.slab_bytes -= self.slabs.slab_bytes;
+                    h.slab_bytes -= self.slabs.slab_bytes(class);
                     h.slab_tail_bytes -= self.slabs.tail_bytes(class);
-                    freed += self.slabs.slab_bytes;
+                    freed += self.slabs.slab_bytes(class);
                 } else {
                     keep.extend(idxs);
                 }

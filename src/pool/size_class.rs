@@ -7,14 +7,19 @@
 //! waste is therefore 255 bytes below 1 KiB and under 25% above it
 //! (1025 B → 1280 B); the mean over a log-uniform size mix is about 10%.
 //!
-//! Why the small/large threshold sits at 256 KiB (the default `small_max`):
-//! in the four PyTorch training traces in `shared/traces`, requests of at
-//! most 256 KiB are 20–35% of allocations but under 1% of bytes, while 93–99%
-//! of bytes are in requests above 1 MiB. Small requests are frequent, so they
-//! get the lock-free slab path; their rounding costs little in bytes. Large
-//! requests carry the bytes, so they get the exact-fit path (256-byte
-//! rounding, best fit over virtual memory) where rounding would be costly.
-//! With 2 MiB slabs, a 256 KiB class still gets 8 slots per slab.
+//! Why the small/large threshold sits at 32 KiB (the default `small_max`):
+//! a slab holds at least eight slots, so the largest class's slab is 256
+//! KiB, an eighth of a 2 MiB granule. Every slab is then a sub-granule
+//! range of the large path's address space, placed at the high end of free
+//! ranges where it fills the partly used granules at the ends of large
+//! blocks instead of holding granules of its own; and a partly used slab
+//! strands at most 256 KiB per class. Above 32 KiB, exact-fit ranges
+//! (rounded to 256 B) waste less than a 25%-spaced class would. In the four
+//! PyTorch training traces in `shared/traces`, requests of at most 32 KiB are
+//! 20–35% of allocations and under 0.1% of bytes, while 93–99% of bytes are
+//! in requests above 1 MiB: small requests are frequent, so they get the
+//! lock-free path; large ones carry the bytes, so they get exact fit. The
+//! replay table in `docs/BENCHMARKS.md` shows the measured effect.
 
 /// Every block is aligned to (and a multiple of) this many bytes.
 pub const ALIGN: u64 = 256;

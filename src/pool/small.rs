@@ -1,11 +1,17 @@
 //! The small path: size-class slabs whose free slots live on lock-free stacks.
 //!
-//! A slab is one aligned range of `slab_bytes` (one 2 MiB granule by
-//! default) taken from the heap and cut into equal slots of one class. Each
-//! slot has a global index `slab_id * max_slots + slot`; its "next" link
-//! lives in the slab's host-side arrays, which are never freed while the
-//! pool lives (a retired slab id is reused by a later slab), so the stacks'
-//! stale-link reads always read valid memory.
+//! A slab is one aligned range taken from the heap and cut into equal slots
+//! of one class. Its size grows with the class: at least eight slots, at
+//! least [`MIN_SLAB`], at most one large slab (2 MiB, a CUDA granule), a
+//! power of two, aligned to itself. Small slabs are sub-granule heap
+//! ranges, so they fill the partly used granules between large blocks
+//! instead of pinning whole granules of their own.
+//!
+//! Each slot has a global index `slab_id << SLOT_BITS | slot`; its "next"
+//! link lives in the slab's host-side arrays, which are never freed while
+//! the pool lives, and a retired slab id is only reused by a slab of the
+//! same class (same slot count), so the stacks' stale-link reads always read
+//! valid memory of the right length.
 //!
 //! Every class keeps one `clean` stack (slots any stream may take) and one
 //! `dirty` stack per stream slot (slots freed on that stream, reusable at
@@ -13,12 +19,26 @@
 //! stack or in exactly one pending record; a slab whose slots are all on a
 //! clean stack holds no live data and can be retired.
 
-use super::size_class::{SizeClasses, ALIGN};
+use super::size_class::SizeClasses;
 use super::stack::{collect_chain, link_chain, IndexStack, Links, NIL};
 use super::sync::{AtomicU32, AtomicU64};
 use crossbeam_utils::CachePadded;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::sync::OnceLock;
+
+/// The smallest slab.
+pub(crate) const MIN_SLAB: u64 = 64 << 10;
+
+/// Bits of a slot index that number the slot within its slab.
+const SLOT_BITS: u32 = 13;
+
+/// Slab headers are allocated in chunks of this many, on first use.
+const CHUNK: usize = 1024;
+
+/// Slots taken from the clean stack at once by a stream, so that one
+/// stream's slots sit together (their links and sizes share cache lines
+/// with each other, not with another thread's).
+const REFILL: usize = 16;
 
 /// Host-side arrays of one slab.
 #[derive(Debug)]
@@ -52,13 +72,12 @@ pub(crate) struct ClassStacks {
 pub(crate) struct Slabs {
     pub classes: SizeClasses,
     pub stacks: Box<[ClassStacks]>,
-    slabs: Box<[Slab]>,
+    /// Slab headers by id, in lazily allocated chunks.
+    chunks: Box<[OnceLock<Box<[Slab]>>]>,
     /// Slab ids handed out so far (high-water mark).
     used_ids: AtomicU32,
-    /// Bytes of each slab.
-    pub slab_bytes: u64,
-    /// Slots of a slab of the smallest class.
-    max_slots: u32,
+    /// Slab bytes per class.
+    slab_sizes: Box<[u64]>,
 }
 
 /// A slot index decoded.
@@ -72,20 +91,18 @@ pub(crate) struct SlotRef {
 impl Links for Slabs {
     #[inline]
     fn link(&self, idx: u32) -> &AtomicU32 {
-        let (slab, slot) = (idx / self.max_slots, idx % self.max_slots);
-        &self.slabs[slab as usize]
-            .arrays
-            .get()
-            .expect("slab arrays exist before its slots are linked")
-            .next[slot as usize]
+        let (a, s) = self.arrays(idx);
+        &a.next[s]
     }
 }
 
 impl Slabs {
+    /// Slabs for `classes`, at most `max_slab` bytes each, for a device of
+    /// `capacity` bytes.
     pub(crate) fn new(
         classes: SizeClasses,
-        slab_bytes: u64,
-        max_slabs: u32,
+        max_slab: u64,
+        capacity: u64,
         stream_slots: usize,
     ) -> Slabs {
         let stacks = (0..classes.len())
@@ -96,39 +113,89 @@ impl Slabs {
                     .collect(),
             })
             .collect();
-        let max_slots = (slab_bytes / ALIGN) as u32;
-        let max_slabs = max_slabs.min(u32::MAX / max_slots - 1).max(1);
+        let slab_sizes: Box<[u64]> = classes
+            .sizes()
+            .iter()
+            .map(|&size| (size * 8).next_power_of_two().clamp(MIN_SLAB, max_slab))
+            .collect();
+        debug_assert!(slab_sizes
+            .iter()
+            .zip(classes.sizes())
+            .all(|(&sb, &s)| sb / s <= 1 << SLOT_BITS));
+        let max_slabs = (capacity / MIN_SLAB + 1).min((u32::MAX >> SLOT_BITS) as u64 - 1) as usize;
         Slabs {
             classes,
             stacks,
-            slabs: (0..max_slabs).map(|_| Slab::default()).collect(),
+            chunks: (0..max_slabs.div_ceil(CHUNK))
+                .map(|_| OnceLock::new())
+                .collect(),
             used_ids: AtomicU32::new(0),
-            slab_bytes,
-            max_slots,
+            slab_sizes,
         }
+    }
+
+    /// Bytes of a slab of `class`.
+    #[inline]
+    pub(crate) fn slab_bytes(&self, class: usize) -> u64 {
+        self.slab_sizes[class]
+    }
+
+    #[inline]
+    fn header(&self, id: u32) -> &Slab {
+        let chunk = self.chunks[id as usize / CHUNK]
+            .get()
+            .expect("slab ids are installed before use");
+        &chunk[id as usize % CHUNK]
+    }
+
+    #[inline]
+    fn arrays(&self, idx: u32) -> (&SlabArrays, usize) {
+        let a = self
+            .header(idx >> SLOT_BITS)
+            .arrays
+            .get()
+            .expect("slab arrays exist before its slots are used");
+        (a, (idx & ((1 << SLOT_BITS) - 1)) as usize)
     }
 
     /// Decodes a slot index.
     #[inline]
     pub(crate) fn slot(&self, idx: u32) -> SlotRef {
-        let s = &self.slabs[(idx / self.max_slots) as usize];
+        let s = self.header(idx >> SLOT_BITS);
         let class = s.class.load(Relaxed) as usize;
-        let addr =
-            s.base.load(Relaxed) + (idx % self.max_slots) as u64 * self.classes.size_of(class);
+        let addr = s.base.load(Relaxed)
+            + (idx & ((1 << SLOT_BITS) - 1)) as u64 * self.classes.size_of(class);
         SlotRef { idx, class, addr }
     }
 
-    /// Pops a slot of `class` for stream slot `stream` (its dirty stack
-    /// first, then the clean one).
+    /// Pops a slot of `class` for stream slot `stream`: its dirty stack
+    /// first, then a run of up to [`REFILL`] clean slots (the rest of the
+    /// run goes to its dirty stack).
     #[inline]
     pub(crate) fn pop(&self, class: usize, stream: Option<usize>) -> Option<u32> {
         let st = &self.stacks[class];
-        if let Some(s) = stream {
-            if let Some(i) = st.dirty[s].pop(self) {
-                return Some(i);
+        let Some(s) = stream else {
+            return st.clean.pop(self);
+        };
+        if let Some(i) = st.dirty[s].pop(self) {
+            return Some(i);
+        }
+        let first = st.clean.pop(self)?;
+        let mut run = [NIL; REFILL];
+        let mut n = 0;
+        while n < REFILL - 1 {
+            match st.clean.pop(self) {
+                Some(i) => {
+                    run[n] = i;
+                    n += 1;
+                }
+                None => break,
             }
         }
-        st.clean.pop(self)
+        if let Some((f, l)) = link_chain(self, &run[..n]) {
+            st.dirty[s].push_chain(self, f, l);
+        }
+        Some(first)
     }
 
     /// Pushes a freed slot on its stream's dirty stack.
@@ -165,8 +232,10 @@ impl Slabs {
         v
     }
 
-    /// Registers a new slab of `class` at `base`; returns its slot indices.
-    /// Called under the heap lock, so ids are handed out by one thread at a time.
+    /// Registers a new slab of `class` at `base` (reusing a retired id of
+    /// the same class if given); returns its slot indices, or `None` when
+    /// the slab table is full. Called under the heap lock, so ids are
+    /// handed out by one thread at a time.
     pub(crate) fn install(
         &self,
         class: usize,
@@ -177,43 +246,51 @@ impl Slabs {
             Some(id) => id,
             None => {
                 let id = self.used_ids.load(Relaxed);
-                if id as usize >= self.slabs.len() {
+                if id as usize / CHUNK >= self.chunks.len() {
                     return None;
                 }
+                self.chunks[id as usize / CHUNK]
+                    .get_or_init(|| (0..CHUNK).map(|_| Slab::default()).collect());
                 self.used_ids.store(id + 1, Relaxed);
                 id
             }
         };
-        let slab = &self.slabs[id as usize];
-        let n = (self.slab_bytes / self.classes.size_of(class)) as u32;
-        let max = self.max_slots as usize;
-        slab.arrays.get_or_init(|| SlabArrays {
-            next: (0..max).map(|_| AtomicU32::new(NIL)).collect(),
-            requested: (0..max).map(|_| AtomicU32::new(0)).collect(),
-            raw_live: (0..max.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+        let slab = self.header(id);
+        let n = (self.slab_bytes(class) / self.classes.size_of(class)) as u32;
+        let a = slab.arrays.get_or_init(|| SlabArrays {
+            next: (0..n).map(|_| AtomicU32::new(NIL)).collect(),
+            requested: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            raw_live: (0..(n as usize).div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
         });
+        debug_assert_eq!(
+            a.next.len(),
+            n as usize,
+            "slab ids are reused within their class"
+        );
         slab.class.store(class as u32, Relaxed);
         slab.nslots.store(n, Relaxed);
         // Release: whoever pops one of these slots (Acquire on the stack
         // head) sees the class and base above.
         slab.base.store(base, Release);
-        Some((0..n).map(|s| id * self.max_slots + s).collect())
+        Some((0..n).map(|s| id << SLOT_BITS | s).collect())
     }
 
     /// Marks a slab id unused; its slots must be on no stack.
     pub(crate) fn retire(&self, id: u32) {
-        self.slabs[id as usize].base.store(0, Release);
+        self.header(id).base.store(0, Release);
     }
 
     /// Slab id of a slot index.
     #[inline]
     pub(crate) fn slab_of(&self, idx: u32) -> u32 {
-        idx / self.max_slots
+        idx >> SLOT_BITS
     }
 
     /// Base address, class and slot count of slab `id` (base 0: unused).
     pub(crate) fn slab_info(&self, id: u32) -> (u64, usize, u32) {
-        let s = &self.slabs[id as usize];
+        let s = self.header(id);
         (
             s.base.load(Acquire),
             s.class.load(Relaxed) as usize,
@@ -223,7 +300,7 @@ impl Slabs {
 
     /// Bytes at the end of a slab of `class` that no slot covers.
     pub(crate) fn tail_bytes(&self, class: usize) -> u64 {
-        self.slab_bytes % self.classes.size_of(class)
+        self.slab_bytes(class) % self.classes.size_of(class)
     }
 
     /// The slot index of address `addr` in slab `id`, if it is a slot start.
@@ -237,16 +314,8 @@ impl Slabs {
         if off % size != 0 || off / size >= n as u64 {
             return None;
         }
-        let idx = id * self.max_slots + (off / size) as u32;
+        let idx = id << SLOT_BITS | (off / size) as u32;
         Some(SlotRef { idx, class, addr })
-    }
-
-    fn arrays(&self, idx: u32) -> (&SlabArrays, usize) {
-        let a = self.slabs[(idx / self.max_slots) as usize]
-            .arrays
-            .get()
-            .expect("installed");
-        (a, (idx % self.max_slots) as usize)
     }
 
     /// Remembers the requested size of the block at this slot.
