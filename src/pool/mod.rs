@@ -57,9 +57,6 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use stream::{StreamInner, StreamRegistry, STREAM_SLOTS};
 
-/// Shard used by streams without a slot.
-const SPARE_SHARD: usize = STREAM_SLOTS;
-
 /// What lives under the heap mutex.
 #[derive(Debug)]
 struct HeapState {
@@ -163,7 +160,7 @@ impl DevicePool {
             pending: PendingList::new(),
             event_pool: Mutex::new(Vec::new()),
             streams: StreamRegistry::new(),
-            counters: Counters::new(STREAM_SLOTS + 1),
+            counters: Counters::new(),
             raw_streams: Mutex::new(HashMap::default()),
             recording: AtomicBool::new(false),
             history: Mutex::new(History::default()),
@@ -375,11 +372,6 @@ impl PoolShared {
         Ok(())
     }
 
-    #[inline]
-    fn shard(slot: Option<u16>) -> usize {
-        slot.map_or(SPARE_SHARD, |s| s as usize)
-    }
-
     // ---- allocation ---------------------------------------------------------------
 
     fn alloc(&self, size: u64, stream: &Stream, raw: bool) -> Result<(DevicePtr, Kind)> {
@@ -417,7 +409,7 @@ impl PoolShared {
                 (DevicePtr(addr), Kind::Large { len }, len)
             }
         };
-        self.counters.on_alloc(Self::shard(slot), size, rounded);
+        self.counters.on_alloc(size, rounded);
         if self.recording.load(Relaxed) {
             self.record(HistoryAction::Alloc, ptr.addr(), size, stream.handle());
         }
@@ -637,18 +629,15 @@ impl PoolShared {
         match kind {
             Kind::Small { idx, class } => {
                 let class = class as usize;
-                self.counters.on_free(
-                    Self::shard(slot),
-                    requested,
-                    self.slabs.classes.size_of(class),
-                );
+                self.counters
+                    .on_free(requested, self.slabs.classes.size_of(class));
                 match slot {
                     Some(s) if extra.is_empty() => self.slabs.push_dirty(class, s as usize, idx),
                     _ => self.park_slots(class, vec![idx], stream.handle(), extra),
                 }
             }
             Kind::Large { len } => {
-                self.counters.on_free(Self::shard(slot), requested, len);
+                self.counters.on_free(requested, len);
                 let addr = ptr.addr();
                 let mut h = self.heap.lock();
                 h.large.remove(&addr);
