@@ -14,7 +14,11 @@ fn traces() -> Option<PathBuf> {
 }
 
 fn opts() -> ReplayOptions {
-    ReplayOptions { repeats: 1, samples: 100, ..Default::default() }
+    ReplayOptions {
+        repeats: 1,
+        samples: 100,
+        ..Default::default()
+    }
 }
 
 #[test]
@@ -23,17 +27,37 @@ fn pytorch_trace_replays_with_its_peak_and_beats_pytorch() {
     let r = replay_file(&dir.join("pytorch/lm-small-10steps-train.pickle"), &opts()).unwrap();
     assert_eq!(r.len(), 1);
     let r = &r[0];
-    assert_eq!(r.peak_live_bytes, 3_849_232_640, "the README's peak live bytes");
+    assert_eq!(
+        r.peak_live_bytes, 3_849_232_640,
+        "the README's peak live bytes"
+    );
     assert_eq!(r.failed_allocs, 0);
     assert_eq!(r.format, "torch-snapshot");
-    let baseline = r.baseline.as_ref().expect("snapshots carry PyTorch's reserved bytes");
+    let baseline = r
+        .baseline
+        .as_ref()
+        .expect("snapshots carry PyTorch's reserved bytes");
     assert_eq!(baseline.peak_reserved_bytes, 4_238_344_192);
     assert!(r.peak_reserved_bytes >= r.peak_live_bytes);
     assert!(r.overhead < 0.03, "overhead {}", r.overhead);
-    assert!(r.overhead * 2.0 <= r.baseline_overhead.unwrap(), "at most half of PyTorch's overhead");
+    assert!(
+        r.overhead * 2.0 <= r.baseline_overhead.unwrap(),
+        "at most half of PyTorch's overhead"
+    );
     assert!(!r.samples.is_empty());
     let j = serde_json::to_value(r).unwrap();
-    for key in ["name", "format", "events", "allocs", "frees", "peak_live_bytes", "peak_reserved_bytes", "overhead", "baseline", "events_per_sec"] {
+    for key in [
+        "name",
+        "format",
+        "events",
+        "allocs",
+        "frees",
+        "peak_live_bytes",
+        "peak_reserved_bytes",
+        "overhead",
+        "baseline",
+        "events_per_sec",
+    ] {
         assert!(j.get(key).is_some(), "replay JSON lacks {key}");
     }
 }
