@@ -13,9 +13,10 @@
 #   1. the backend conformance suite against CudaBackend (and the simulator);
 #   2. the compaction kernel check (NVRTC compile + moves vs sequential memmove);
 #   3. `gpupool info` and a demo run on the real device;
+#   4. the PyTorch pluggable-allocator run (python/examples/train.py: a small
+#      transformer trained with gpupool and with PyTorch's allocator);
 # and writes logs and a summary to $OUT (or gpu-out/ when $OUT is unset).
-# Later work adds: GPU micro-benchmarks against cuMemAlloc/cuMemAllocAsync
-# and the PyTorch pluggable-allocator run.
+# Later work adds: GPU micro-benchmarks against cuMemAlloc/cuMemAllocAsync.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bundle="$repo/gpu-bundle"
@@ -41,8 +42,8 @@ for line in sys.stdin:
         shutil.copy(m["executable"], os.path.join(out, name))
         print("bundled test", name)
 ' "$bundle"
-    cargo build --release --bin gpupool
-    cp target/release/gpupool "$bundle/"
+    cargo build --release --bin gpupool --lib
+    cp target/release/gpupool target/release/libgpupool.so "$bundle/"
     strip "$bundle"/* 2>/dev/null || true
     du -sh "$bundle"
 }
@@ -75,6 +76,8 @@ run() {
     GPUPOOL_REQUIRE_NVRTC=1 check kernel "$bundle/kernel_nvrtc" --test-threads=1
     check info "$bundle/gpupool" info --backend cuda --json
     check demo "$bundle/gpupool" demo --backend cuda --json
+    GPUPOOL_LIB="$bundle/libgpupool.so" check torch \
+        python3 python/examples/train.py --steps 300 --out "$out/torch.json"
     grep -h "test result" "$out"/*.log | tee -a "$summary"
     exit $status
 }

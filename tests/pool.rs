@@ -256,7 +256,7 @@ fn bad_input_returns_typed_errors_and_changes_nothing() {
     ));
     assert!(matches!(
         dev.free_raw(freed_large, &s),
-        Err(Error::UnknownPointer { .. })
+        Err(Error::DoubleFree { .. })
     ));
     assert!(matches!(
         dev.free_raw(DevicePtr(0xdead_0000), &s),

@@ -469,6 +469,7 @@ impl Heap {
         let want = if len < (10 << 20) { 20 << 20 } else { len };
         let seg_len = align_up(want + if align > ALIGN { align } else { 0 }, self.gran);
         let base = self.backend.alloc_segment(self.dev, seg_len)?.addr();
+        tracing::debug!(device = self.dev, bytes = seg_len, "segment allocated");
         self.device_allocs += 1;
         self.reserved += seg_len;
         if let Physical::Segments { segs } = &mut self.phys {
@@ -531,6 +532,14 @@ impl Heap {
         }
         self.device_allocs += created.len() as u64;
         self.reserved += created.len() as u64 * self.gran;
+        if !created.is_empty() {
+            tracing::debug!(
+                device = self.dev,
+                chunks = created.len(),
+                reserved = self.reserved,
+                "device memory grown"
+            );
+        }
         if let Physical::Vmm { spare, .. } = &mut self.phys {
             spare.extend(created);
         }
@@ -831,6 +840,11 @@ impl Heap {
         self.allocated.get(&addr).copied()
     }
 
+    /// Whether `addr` lies in free memory of the heap.
+    pub(crate) fn is_free(&self, addr: u64) -> bool {
+        matches!(self.by_addr.range(..=addr).next_back(), Some((&a, r)) if addr < a + r.len)
+    }
+
     /// Returns an allocated range with `tag`.
     pub(crate) fn free(&mut self, addr: u64, tag: Tag) -> Result<u64> {
         let len = self.allocated.remove(&addr).ok_or(Error::UnknownPointer {
@@ -929,22 +943,36 @@ impl Heap {
                 }
             }
         }
+        if before != self.reserved {
+            tracing::debug!(
+                device = self.dev,
+                released = before - self.reserved,
+                "cached memory released"
+            );
+        }
         before - self.reserved
     }
 
     /// The largest request that can be served without new device memory:
-    /// the largest non-pending free range, capped by the physical memory
-    /// that is free to back it.
+    /// the longest run of free, backed memory (not pending), or a free range
+    /// backed by stitching spare and idle chunks, whichever is larger.
     pub(crate) fn largest_free(&self) -> u64 {
-        let f = self.figures();
-        let backable = f.free_clean + f.free_dirty + f.spare;
-        self.by_addr
-            .values()
-            .filter(|r| !matches!(r.tag, Tag::Pending(_)))
-            .map(|r| r.len)
-            .max()
-            .unwrap_or(0)
-            .min(backable)
+        let mut best = 0;
+        let mut longest_range = 0;
+        for (&a, r) in &self.by_addr {
+            if matches!(r.tag, Tag::Pending(_)) {
+                continue;
+            }
+            longest_range = longest_range.max(r.len);
+            for (_, l) in self.mapped_parts(a, r.len) {
+                best = best.max(l);
+            }
+        }
+        let stitchable = match &self.phys {
+            Physical::Vmm { spare, idle, .. } => (spare.len() + idle.len()) as u64 * self.gran,
+            Physical::Segments { .. } => 0,
+        };
+        best.max(longest_range.min(stitchable))
     }
 
     // ---- audit -------------------------------------------------------------------------

@@ -748,6 +748,14 @@ impl PoolShared {
                         "{addr:#x} is a block, not a raw allocation"
                     )))
                 }
+                // Not live: if the address starts free or parked memory of
+                // this pool, it was freed already.
+                None if h.heap.allocated_len(addr).is_some() || h.heap.is_free(addr) => {
+                    return Err(Error::DoubleFree {
+                        ptr: addr,
+                        device: self.dev,
+                    })
+                }
                 None => {
                     return Err(Error::UnknownPointer {
                         ptr: addr,

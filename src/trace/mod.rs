@@ -65,6 +65,7 @@ use crate::{Error, Result};
 
 mod lifetimes;
 pub mod plot;
+pub mod record;
 pub mod replay;
 mod rmm;
 mod torch;
