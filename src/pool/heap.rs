@@ -107,6 +107,9 @@ pub(crate) struct Heap {
     next_pending: u32,
     /// Granules quarantined since the last `take_quarantine`.
     fresh_quarantine: Vec<u32>,
+    /// Pending groups whose memory was aliased since the last
+    /// `take_steal_waits`: the requesting stream must wait on them.
+    fresh_waits: Vec<u32>,
     /// Device allocations made (chunks or segments).
     pub device_allocs: u64,
     /// Device frees made.
@@ -166,6 +169,7 @@ impl Heap {
             allocated_bytes: 0,
             next_pending: 0,
             fresh_quarantine: Vec::new(),
+            fresh_waits: Vec::new(),
             device_allocs: 0,
             device_frees: 0,
             backend,
@@ -428,30 +432,78 @@ impl Heap {
     ) -> Result<Taken> {
         let r = self.index_remove(raddr);
         debug_assert_eq!(r.len, rlen);
-        debug_assert!(start >= raddr && start + len <= raddr + rlen); // Put the unused head and tail back first, so that idle granules in
-                                                                      // them can be stolen to back the taken part.
+        debug_assert!(start >= raddr && start + len <= raddr + rlen);
+        // Put the unused head and tail back first, so that idle granules in
+        // them can be stolen to back the taken part.
         self.insert_free(raddr, start - raddr, r.tag);
         self.insert_free(start + len, raddr + rlen - start - len, r.tag);
-        let mut waits = Vec::new();
-        let aliased_before = self.fresh_quarantine.len();
-        if let Err(e) = self.back(start, len, ctx, &mut waits) {
+        let mut aliased = Vec::new();
+        if let Err(e) = self.back(start, len, ctx, &mut aliased) {
             self.insert_free(start, len, r.tag);
             return Err(e);
         }
+        // A granule backed by an aliased chunk shares physical memory with
+        // old uses that only the requesting stream is ordered after: the free
+        // rest of that granule is for that stream alone.
+        if let Some(slot) = ctx.slot {
+            for &g in &aliased {
+                self.retag_granule(g, start, len, Tag::Dirty(slot));
+            }
+        }
         self.allocated.insert(start, len);
         self.allocated_bytes += len;
-        if let Tag::Pending(id) = r.tag {
-            waits.push(id);
-        }
-        waits.sort_unstable();
-        waits.dedup();
-        let exclusive = r.tag != Tag::Clean || self.fresh_quarantine.len() > aliased_before;
+        let waits = match r.tag {
+            Tag::Pending(id) => vec![id],
+            _ => Vec::new(),
+        };
+        let exclusive = r.tag != Tag::Clean || !aliased.is_empty();
         Ok(Taken {
             addr: start,
             from: r.tag,
             waits,
             exclusive,
         })
+    }
+
+    /// Retags the free parts of granule `g` outside `[start, start+len)`.
+    fn retag_granule(&mut self, g: u32, start: u64, len: u64, tag: Tag) {
+        let Physical::Vmm { base, .. } = &self.phys else {
+            return;
+        };
+        let (gs, ge) = (
+            *base + g as u64 * self.gran,
+            *base + (g as u64 + 1) * self.gran,
+        );
+        for (lo, hi) in [(gs, start.min(ge)), ((start + len).max(gs), ge)] {
+            if lo < hi {
+                self.retag(lo, hi, tag);
+            }
+        }
+    }
+
+    /// Gives the free memory in `[lo, hi)` the tag `tag`.
+    fn retag(&mut self, lo: u64, hi: u64, tag: Tag) {
+        let first = self
+            .by_addr
+            .range(..=lo)
+            .next_back()
+            .map_or(lo, |(&a, _)| a);
+        let hits: Vec<(u64, FreeRange)> = self
+            .by_addr
+            .range(first..hi)
+            .filter(|(&a, r)| a + r.len > lo)
+            .map(|(&a, &r)| (a, r))
+            .collect();
+        for (a, r) in hits {
+            if r.tag == tag {
+                continue;
+            }
+            self.index_remove(a);
+            let (s, e) = (a.max(lo), (a + r.len).min(hi));
+            self.insert_free(a, s - a, r.tag);
+            self.insert_free(e, a + r.len - e, r.tag);
+            self.insert_free(s, e - s, tag);
+        }
     }
 
     /// In segment mode, adds a segment that fits `len` at `align`; in VMM
@@ -489,7 +541,7 @@ impl Heap {
     /// that has none. Chunks come from the spare list, from idle granules
     /// (stolen), and only then from the device. All device allocations are
     /// made before anything is stolen, so a shortfall fails cleanly.
-    fn back(&mut self, start: u64, len: u64, ctx: StealCtx, waits: &mut Vec<u32>) -> Result<()> {
+    fn back(&mut self, start: u64, len: u64, ctx: StealCtx, aliased: &mut Vec<u32>) -> Result<()> {
         let Physical::Vmm {
             base,
             granules,
@@ -515,7 +567,8 @@ impl Heap {
         if need.is_empty() {
             return Ok(());
         }
-        let reusable = self.spare_len() + self.stealable(ctx, need.len());
+        let mut victims = self.stealable(ctx, need.len().saturating_sub(self.spare_len()));
+        let reusable = self.spare_len() + victims.len();
         let shortfall = need.len().saturating_sub(reusable);
         let mut created = Vec::with_capacity(shortfall);
         for _ in 0..shortfall {
@@ -547,7 +600,14 @@ impl Heap {
             let (chunk, stolen) = match self.take_spare() {
                 Some(c) => (c, None),
                 None => {
-                    let st = self.steal(ctx).expect("counted as stealable above");
+                    let (g, clean) = victims.pop().expect("counted as stealable above");
+                    let Some(st) = self.steal(g, clean) else {
+                        self.drop_users(first, last);
+                        return Err(Error::backend(
+                            "cuMemUnmap",
+                            "could not unmap an idle granule to stitch it",
+                        ));
+                    };
                     (st.chunk, Some(st))
                 }
             };
@@ -562,7 +622,10 @@ impl Heap {
                 return Err(e);
             }
             if let Some(st) = stolen {
-                waits.extend(st.waits);
+                if !st.pieces.is_empty() {
+                    aliased.push(g);
+                }
+                self.fresh_waits.extend(st.waits);
             }
         }
         Ok(())
@@ -663,18 +726,20 @@ impl Heap {
             Tag::Dirty(s) => Some(s) == ctx.slot,
             Tag::Pending(_) => ctx.pending_ok,
         });
-        ok.then_some(false)
+        // Aliasing leaves the rest of the granule to the requesting stream
+        // alone, which needs a stream slot to express.
+        (ok && ctx.slot.is_some()).then_some(false)
     }
 
     /// Counts up to `want` idle granules stealable under `ctx`.
-    fn stealable(&self, ctx: StealCtx, want: usize) -> usize {
+    fn stealable(&self, ctx: StealCtx, want: usize) -> Vec<(u32, bool)> {
         let Physical::Vmm { idle, .. } = &self.phys else {
-            return 0;
+            return Vec::new();
         };
         idle.iter()
-            .filter(|&&g| self.steal_kind(g, ctx).is_some())
+            .filter_map(|&g| self.steal_kind(g, ctx).map(|k| (g, k)))
             .take(want)
-            .count()
+            .collect()
     }
 
     /// Takes the chunk of an idle granule for a new mapping (stitching).
@@ -687,13 +752,7 @@ impl Heap {
     /// work is ordered after the old uses (same stream, or a wait on the
     /// pending groups returned), so the aliased bytes are never used twice
     /// at once.
-    fn steal(&mut self, ctx: StealCtx) -> Option<Stolen> {
-        let Physical::Vmm { idle, .. } = &self.phys else {
-            return None;
-        };
-        let (g, clean) = idle
-            .iter()
-            .find_map(|&g| self.steal_kind(g, ctx).map(|k| (g, k)))?;
+    fn steal(&mut self, g: u32, clean: bool) -> Option<Stolen> {
         if clean {
             let chunk = self.unmap_granule(g)?;
             return Some(Stolen {
@@ -773,6 +832,13 @@ impl Heap {
         for (a, l, tag) in st.pieces {
             self.insert_free(a, l, tag);
         }
+    }
+
+    /// Pending groups aliased since the last call (whether or not the
+    /// allocation then succeeded): the requesting stream must wait on them
+    /// before the quarantine event is recorded.
+    pub(crate) fn take_steal_waits(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.fresh_waits)
     }
 
     /// Granules aliased since the last call; the caller records one event

@@ -557,17 +557,43 @@ impl PoolShared {
                 .peak_reserved
                 .fetch_max(h.heap.reserved(), Relaxed);
         }
+        // Order the stream after every pending group it takes memory from
+        // (its range's own, and those of aliased granules) *before* the
+        // quarantine event is recorded on it: that event then completes only
+        // after every old use of the aliased chunks.
+        let mut ids = h.heap.take_steal_waits();
+        if let Ok(t) = &r {
+            ids.extend(&t.waits);
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        let mut waited = Ok(());
+        for id in &ids {
+            let w = h.group_events.get(id).cloned().unwrap_or_default();
+            if let Err(e) = self.wait_on(stream, &w) {
+                waited = Err(e);
+                break;
+            }
+        }
         let q = h.heap.take_quarantine();
         if !q.is_empty() {
-            let waits = self.record_events(stream.handle(), &[]);
+            let waits = match waited {
+                Ok(()) => self.record_events(stream.handle(), &[]),
+                // Without the waits, only trim (which syncs everything
+                // pending first) may release these granules.
+                Err(_) => Waits {
+                    events: Vec::new(),
+                    unrecorded: vec![stream.handle()],
+                },
+            };
             h.quarantine.push((waits, q));
         }
         let t = r?;
-        if !t.waits.is_empty() {
-            for id in &t.waits {
-                let w = h.group_events.get(id).cloned().unwrap_or_default();
-                self.wait_on(stream, &w)?;
-            }
+        if let Err(e) = waited {
+            h.heap.free(t.addr, t.from).expect("just allocated");
+            return Err(e);
+        }
+        if !ids.is_empty() {
             self.counters.handovers.fetch_add(1, Relaxed);
         }
         Ok(t)

@@ -247,17 +247,6 @@ impl PoolShared {
 
     /// Blocks until every pending record's uses completed (trim and teardown only).
     pub(super) fn sync_pending(&self) -> Result<()> {
-        let q = std::mem::take(&mut self.heap.lock().quarantine);
-        for (w, gs) in q {
-            for &e in &w.events {
-                self.backend.sync_event(self.dev, e)?;
-            }
-            for &s in &w.unrecorded {
-                self.backend.sync_stream(self.dev, s)?;
-            }
-            self.heap.lock().heap.release_quarantine(&gs);
-            self.recycle_events(w);
-        }
         let records = self.pending.take_all();
         let sync = |w: &Waits| -> Result<()> {
             for &e in &w.events {
@@ -291,6 +280,20 @@ impl PoolShared {
                 }
                 Err(e) => {
                     self.pending.push(p);
+                    result = Err(e);
+                }
+            }
+        }
+        // Quarantined granules last: their events may follow the groups'.
+        let q = std::mem::take(&mut self.heap.lock().quarantine);
+        for (w, gs) in q {
+            match sync(&w) {
+                Ok(()) => {
+                    self.heap.lock().heap.release_quarantine(&gs);
+                    self.recycle_events(w);
+                }
+                Err(e) => {
+                    self.heap.lock().quarantine.push((w, gs));
                     result = Err(e);
                 }
             }

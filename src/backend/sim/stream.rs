@@ -2,12 +2,13 @@
 //!
 //! Each stream is a FIFO of operations run by its own worker thread, so work
 //! really is asynchronous to the host: `record_event` returns at once and the
-//! event completes only when the worker reaches it. An event keeps two
-//! sequence numbers: `recorded` (bumped by each `record`) and `completed`
-//! (set by the worker). It is complete when `completed >= recorded`, which
-//! gives CUDA's rules: an event never recorded is complete, and re-recording
-//! replaces the earlier capture. A stream waiting on an event captures the
-//! `recorded` number at enqueue time and blocks only its own worker.
+//! event completes only when the worker reaches it. Every `record` is a new
+//! capture with its own sequence number, pending until the worker reaches
+//! it. The event is complete when its latest capture is, which gives CUDA's
+//! rules: an event never recorded is complete, and re-recording replaces the
+//! earlier capture. A stream waiting on an event waits for the capture that
+//! was latest at enqueue time (not for a later re-record on another stream,
+//! which may complete first), and blocks only its own worker.
 
 use crate::backend::Move;
 use crate::error::{Error, Result};
@@ -26,8 +27,10 @@ pub(crate) struct SimEvent {
 
 #[derive(Debug, Default)]
 struct EventState {
+    /// Sequence number of the latest capture.
     recorded: u64,
-    completed: u64,
+    /// Captures whose work has not run yet.
+    pending: std::collections::BTreeSet<u64>,
 }
 
 impl SimEvent {
@@ -42,7 +45,9 @@ impl SimEvent {
     pub(crate) fn begin_record(&self) -> u64 {
         let mut s = self.state.lock();
         s.recorded += 1;
-        s.recorded
+        let seq = s.recorded;
+        s.pending.insert(seq);
+        seq
     }
 
     /// The capture a waiter must see complete.
@@ -52,19 +57,19 @@ impl SimEvent {
 
     pub(crate) fn is_complete(&self) -> bool {
         let s = self.state.lock();
-        s.completed >= s.recorded
+        !s.pending.contains(&s.recorded)
     }
 
     fn complete(&self, seq: u64) {
         let mut s = self.state.lock();
-        s.completed = s.completed.max(seq);
+        s.pending.remove(&seq);
         self.cv.notify_all();
     }
 
     /// Blocks until capture `seq` has completed.
     pub(crate) fn wait_for(&self, seq: u64) {
         let mut s = self.state.lock();
-        while s.completed < seq {
+        while s.pending.contains(&seq) {
             self.cv.wait(&mut s);
         }
     }
