@@ -477,6 +477,14 @@ impl PoolShared {
         self.slab_index.write().insert(taken.addr, id);
         let (first, rest) = idxs.split_first().expect("a slab has slots");
         match slot {
+            // The creator keeps a run of the first slots (as a refill from
+            // the clean stack would give it), so that its slots and another
+            // stream's never share a cache line of links.
+            Some(s) if !taken.exclusive => {
+                let run = rest.len().min(small::REFILL - 1);
+                self.slabs.push_dirty_many(class, s as usize, &rest[..run]);
+                self.slabs.push_clean(class, &rest[run..]);
+            }
             _ if !taken.exclusive => self.slabs.push_clean(class, rest),
             Some(s) => self.slabs.push_dirty_many(class, s as usize, rest),
             // Only this stream may use the slab for now, and it has no

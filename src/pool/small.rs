@@ -38,7 +38,7 @@ const CHUNK: usize = 1024;
 /// Slots taken from the clean stack at once by a stream, so that one
 /// stream's slots sit together (their links and sizes share cache lines
 /// with each other, not with another thread's).
-const REFILL: usize = 16;
+pub(crate) const REFILL: usize = 16;
 
 /// Host-side arrays of one slab.
 #[derive(Debug)]
