@@ -331,7 +331,7 @@ fn run() -> Result<()> {
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
-                println!("{report:?}");
+                println!("{report}");
             }
         }
     }
