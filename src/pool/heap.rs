@@ -191,6 +191,14 @@ impl Heap {
         Ok(heap)
     }
 
+    /// Base and length of the reservation (VMM mode).
+    pub(crate) fn reservation(&self) -> Option<(u64, u64)> {
+        match &self.phys {
+            Physical::Vmm { base, len, .. } => Some((*base, *len)),
+            Physical::Segments { .. } => None,
+        }
+    }
+
     /// Physical bytes held.
     pub(crate) fn reserved(&self) -> u64 {
         self.reserved

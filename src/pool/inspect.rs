@@ -156,7 +156,7 @@ impl PoolShared {
         let stats = self.stats();
         let h = self.heap.lock();
         let census = self.census(|_| true);
-        let slab_ids = self.slab_index.read().clone();
+
         let parked: HashSet<u64> = h.exact.addrs().collect();
         let mut segments = Vec::new();
         for run in h.heap.layout() {
@@ -164,7 +164,11 @@ impl PoolShared {
             for (addr, len, piece) in run {
                 match piece {
                     Piece::Allocated => {
-                        if let Some(&id) = slab_ids.get(&addr) {
+                        let slab = self
+                            .slab_index
+                            .lookup(addr)
+                            .filter(|&id| self.slabs.slab_info(id).0 == addr);
+                        if let Some(id) = slab {
                             self.push_large_segment(&mut segments, std::mem::take(&mut blocks));
                             segments.push(self.slab_segment(id, &census));
                             continue;

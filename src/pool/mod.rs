@@ -29,6 +29,7 @@ mod loom_tests;
 mod pending;
 mod reclaim;
 mod size_class;
+mod slab_index;
 mod small;
 mod snapshot;
 pub mod stack;
@@ -47,7 +48,7 @@ use crate::config::PoolConfig;
 use crate::error::{Error, OomReport, Result};
 use crate::ptr::{DevicePtr, EventHandle, StreamHandle};
 use heap::{Heap, Tag};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use pending::{Pending, PendingList, Waits};
 use rustc_hash::FxHashMap as HashMap;
 use size_class::round_large;
@@ -87,7 +88,7 @@ pub(crate) struct PoolShared {
     slabs: Slabs,
     heap: Mutex<HeapState>,
     /// Slab base address -> slab id, for raw frees.
-    slab_index: RwLock<std::collections::BTreeMap<u64, u32>>,
+    slab_index: slab_index::SlabIndex,
     pending: PendingList<Pending>,
     /// Idle events for reuse (a slow-path pool; a mutex is fine here).
     event_pool: Mutex<Vec<EventHandle>>,
@@ -143,6 +144,7 @@ impl DevicePool {
             dev,
             info.total_bytes.saturating_mul(cfg.va_factor),
         )?;
+        let reservation = heap.reservation();
         let shared = Arc::new(PoolShared {
             dev,
             slabs: Slabs::new(classes, max_slab, info.total_bytes, STREAM_SLOTS),
@@ -156,7 +158,7 @@ impl DevicePool {
                 slab_bytes: 0,
                 slab_tail_bytes: 0,
             }),
-            slab_index: RwLock::new(std::collections::BTreeMap::new()),
+            slab_index: slab_index::SlabIndex::new(reservation),
             pending: PendingList::new(),
             event_pool: Mutex::new(Vec::new()),
             streams: StreamRegistry::new(),
@@ -474,7 +476,7 @@ impl PoolShared {
         let id = self.slabs.slab_of(idxs[0]);
         h.slab_bytes += sb;
         h.slab_tail_bytes += self.slabs.tail_bytes(class);
-        self.slab_index.write().insert(taken.addr, id);
+        self.slab_index.insert(taken.addr, sb, id);
         let (first, rest) = idxs.split_first().expect("a slab has slots");
         match slot {
             // The creator keeps a run of the first slots (as a refill from
@@ -742,9 +744,9 @@ impl PoolShared {
 
     /// The slab id holding `addr`, if it lies in a slab.
     fn slab_holding(&self, addr: u64) -> Option<u32> {
-        let (&base, &id) = self.slab_index.read().range(..=addr).next_back()?;
-        let (_, class, _) = self.slabs.slab_info(id);
-        (addr < base + self.slabs.slab_bytes(class)).then_some(id)
+        let id = self.slab_index.lookup(addr)?;
+        let (base, class, _) = self.slabs.slab_info(id);
+        (base != 0 && addr >= base && addr < base + self.slabs.slab_bytes(class)).then_some(id)
     }
 
     fn free_raw(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {

@@ -214,7 +214,7 @@ impl PoolShared {
             for (id, idxs) in per_slab {
                 let (base, c, n) = self.slabs.slab_info(id);
                 if idxs.len() as u32 == n && c == class {
-                    self.slab_index.write().remove(&base);
+                    self.slab_index.remove(base, self.slabs.slab_bytes(class));
                     self.slabs.retire(id);
                     h.free_slab_ids[class].push(id);
                     h.heap
