@@ -1074,23 +1074,7 @@ impl Heap {
 
     /// Bytes of `[addr, addr+len)` that lie in mapped granules.
     fn mapped_bytes_in(&self, addr: u64, len: u64) -> u64 {
-        let Physical::Vmm { base, granules, .. } = &self.phys else {
-            return len;
-        };
-        let mut total = 0;
-        let end = addr + len;
-        let mut g = (addr - base) / self.gran;
-        loop {
-            let gs = base + g * self.gran;
-            if gs >= end {
-                break;
-            }
-            if granules[g as usize].chunk.is_some() {
-                total += end.min(gs + self.gran) - addr.max(gs);
-            }
-            g += 1;
-        }
-        total
+        self.mapped_parts(addr, len).iter().map(|p| p.1).sum()
     }
 
     /// Checks the heap's structural invariants; returns a description of the
