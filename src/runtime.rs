@@ -94,6 +94,11 @@ impl Runtime {
 
     /// Trims every pool in parallel; returns the bytes given back.
     pub fn trim(&self) -> Result<u64> {
+        // The pools trim on rayon's threads: empty this thread's magazines
+        // here first.
+        for p in &self.pools {
+            p.flush_thread_cache();
+        }
         self.pools
             .par_iter()
             .map(|p| p.trim())

@@ -100,6 +100,7 @@ impl PoolShared {
     }
 
     pub(crate) fn audit(&self) -> std::result::Result<PoolStats, String> {
+        super::magazine::flush_for(self);
         let h = self.heap.lock();
         h.heap.check()?;
         let f = h.heap.figures();
@@ -108,7 +109,10 @@ impl PoolShared {
             return Err(p);
         }
         // Live slot bytes = slab bytes - free - pending - tails.
-        let live_slots = h.slab_bytes - c.free_bytes - c.pending_bytes - h.slab_tail_bytes;
+        // Slots in other threads' magazines are free but on no stack.
+        let magazines = self.counters.magazine_bytes();
+        let live_slots =
+            h.slab_bytes - c.free_bytes - c.pending_bytes - h.slab_tail_bytes - magazines;
         let large_live = f.allocated - h.slab_bytes - h.exact.bytes;
         let large_ranges: u64 = h
             .large
@@ -135,7 +139,7 @@ impl PoolShared {
             return Err("pending slot byte counter drifted".into());
         }
         let stats = self.stats();
-        let cached = f.free_clean + f.free_dirty + f.spare + c.free_bytes + parked;
+        let cached = f.free_clean + f.free_dirty + f.spare + c.free_bytes + parked + magazines;
         let sum = stats.active_bytes.current
             + stats.pending_bytes.current
             + cached
@@ -153,6 +157,7 @@ impl PoolShared {
     }
 
     pub(crate) fn snapshot(&self) -> Snapshot {
+        super::magazine::flush_for(self);
         let stats = self.stats();
         let h = self.heap.lock();
         let census = self.census(|_| true);

@@ -26,6 +26,7 @@ mod heap;
 mod inspect;
 #[cfg(all(test, loom))]
 mod loom_tests;
+mod magazine;
 mod pending;
 mod reclaim;
 mod size_class;
@@ -284,6 +285,12 @@ impl DevicePool {
         self.shared.trim()
     }
 
+    /// Empties the calling thread's per-thread caches of this pool into the
+    /// shared free lists (done by `trim`, `audit` and `snapshot` too).
+    pub fn flush_thread_cache(&self) {
+        magazine::flush_for(&self.shared);
+    }
+
     /// Checks every invariant of the pool against an independent recount of
     /// its structures. Call while no other thread uses the pool. Returns a
     /// description of the first violation.
@@ -383,7 +390,11 @@ impl PoolShared {
         let slot = stream.slot();
         let (ptr, kind, rounded) = match self.slabs.classes.class_of(size) {
             Some(class) => {
-                let idx = match self.slabs.pop(class, slot.map(usize::from)) {
+                let cached = match slot {
+                    Some(_) if self.cfg.thread_cache => magazine::take(stream, class),
+                    _ => None,
+                };
+                let idx = match cached.or_else(|| self.slabs.pop(class, slot.map(usize::from))) {
                     Some(i) => i,
                     None => self.alloc_small_slow(class, size, stream)?,
                 };
@@ -668,7 +679,11 @@ impl PoolShared {
                 self.counters
                     .on_free(requested, self.slabs.classes.size_of(class));
                 match slot {
-                    Some(s) if extra.is_empty() => self.slabs.push_dirty(class, s as usize, idx),
+                    Some(s) if extra.is_empty() => {
+                        if !(self.cfg.thread_cache && magazine::put(stream, class, idx)) {
+                            self.slabs.push_dirty(class, s as usize, idx);
+                        }
+                    }
                     _ => self.park_slots(class, vec![idx], stream.handle(), extra),
                 }
             }

@@ -184,6 +184,7 @@ impl PoolShared {
     /// stream's dirty memory (the requester gets its own back by handover),
     /// harvests, and retires empty slabs.
     pub(super) fn reclaim(&self) {
+        super::magazine::flush_for(self);
         for slot in 0..STREAM_SLOTS {
             if let Some(h) = self.streams.handle(slot) {
                 self.flush_slot(slot, h);
@@ -234,6 +235,7 @@ impl PoolShared {
 
     pub(super) fn trim(&self) -> Result<u64> {
         self.check_live()?;
+        super::magazine::flush_for(self);
         for slot in 0..STREAM_SLOTS {
             if let Some(h) = self.streams.handle(slot) {
                 self.flush_slot(slot, h);

@@ -79,15 +79,19 @@ thread_local! {
 /// This thread's shard, and whether it owns it alone.
 #[inline]
 fn my_shard() -> (usize, bool) {
-    let n = THREAD.with(|t| {
-        let v = t.get();
-        if v != usize::MAX {
-            return v;
-        }
-        let v = NEXT_THREAD.fetch_add(1, Relaxed);
-        t.set(v);
-        v
-    });
+    // `try_with`: during thread exit (magazines emptied by TLS destructors)
+    // this thread's id may be gone; the shared shard then takes the update.
+    let n = THREAD
+        .try_with(|t| {
+            let v = t.get();
+            if v != usize::MAX {
+                return v;
+            }
+            let v = NEXT_THREAD.fetch_add(1, Relaxed);
+            t.set(v);
+            v
+        })
+        .unwrap_or(usize::MAX);
     if n < SHARDS - 1 {
         (n, true)
     } else {
@@ -115,6 +119,8 @@ pub(crate) struct Shard {
     pub active: AtomicI64,
     pub allocs: AtomicI64,
     pub frees: AtomicI64,
+    /// Bytes of slots held in this thread's magazines.
+    pub magazine: AtomicI64,
     /// This shard's own high-water mark of `active`.
     high: AtomicI64,
 }
@@ -179,6 +185,22 @@ impl Counters {
         bump(&s.frees, 1, own);
         bump(&s.allocated, -(requested as i64), own);
         bump(&s.active, -(rounded as i64), own);
+    }
+
+    /// Counts bytes entering (+) or leaving (-) this thread's magazines.
+    #[inline]
+    pub(crate) fn on_magazine(&self, delta: i64) {
+        let (i, own) = my_shard();
+        bump(&self.shards[i].magazine, delta, own);
+    }
+
+    /// Bytes held in all threads' magazines.
+    pub(crate) fn magazine_bytes(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.magazine.load(Relaxed))
+            .sum::<i64>()
+            .max(0) as u64
     }
 
     /// Sums of (allocated, active, allocs, frees) over shards.
