@@ -9,7 +9,11 @@
 //! threads. A thread keeps magazines for its two most recent streams; the
 //! older one is emptied into its stream's dirty stacks when a third stream
 //! comes along, and all are emptied when the thread exits, before a trim or
-//! an audit on this thread, and when the pool reclaims on this thread.
+//! an audit on this thread, when the pool reclaims on this thread, and when
+//! the pool is dropped on this thread. A magazine of another, still running
+//! thread keeps the pool's memory until that thread exits or calls
+//! `DevicePool::flush_thread_cache` (as thread caches of host allocators do);
+//! `thread_cache=false` turns magazines off.
 //! Other threads' magazines hold at most [`CAP`] slots per class each,
 //! which the pool's byte counters account for (as cached memory).
 

@@ -329,6 +329,10 @@ impl DevicePool {
 impl Drop for DevicePool {
     fn drop(&mut self) {
         self.shared.shut.store(true, Relaxed);
+        // This thread's magazines hold the pool's streams (and so the pool):
+        // empty them so that the pool can go now. Magazines of other live
+        // threads keep it until those threads exit or flush.
+        magazine::flush_for(&self.shared);
     }
 }
 
