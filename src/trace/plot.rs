@@ -71,9 +71,19 @@ pub fn line_chart(
         h - 12.0,
         escape(x_label)
     );
+    for i in 0..=4 {
+        let x = x_max * i as f64 / 4.0;
+        let _ = writeln!(
+            svg,
+            r#"<text x="{}" y="{}" text-anchor="middle">{:.0}</text>"#,
+            sx(x),
+            h - bottom + 16.0,
+            x
+        );
+    }
     let _ = writeln!(
         svg,
-        r#"<text x="16" y="{}" text-anchor="middle" transform="rotate(-90 16 {})">{}</text>"#,
+        r#"<text x="20" y="{}" text-anchor="middle" transform="rotate(-90 20 {})">{}</text>"#,
         h / 2.0,
         h / 2.0,
         escape(y_label)
@@ -89,14 +99,20 @@ pub fn line_chart(
             s.colour,
             d.trim_end()
         );
-        let ly = top + 14.0 + 16.0 * k as f64;
+        // Legend in the lower right corner, where the curves rarely are.
+        let (lx, ly) = (
+            w - right - 230.0,
+            h - bottom - 14.0 - 16.0 * (series.len() - 1 - k) as f64,
+        );
         let _ = writeln!(
             svg,
-            r#"<line x1="{}" x2="{}" y1="{ly}" y2="{ly}" stroke="{}" stroke-width="3"/><text x="{}" y="{}">{}</text>"#,
-            left + 12.0,
-            left + 32.0,
+            r#"<rect x="{}" y="{}" width="226" height="16" fill="white" opacity="0.8"/><line x1="{}" x2="{}" y1="{ly}" y2="{ly}" stroke="{}" stroke-width="3"/><text x="{}" y="{}">{}</text>"#,
+            lx - 4.0,
+            ly - 9.0,
+            lx,
+            lx + 20.0,
             s.colour,
-            left + 38.0,
+            lx + 26.0,
             ly + 4.0,
             escape(s.name)
         );
