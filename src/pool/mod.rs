@@ -298,7 +298,7 @@ impl DevicePool {
         self.shared.audit()
     }
 
-        /// The pool's memory now, in PyTorch's snapshot layout (segments
+    /// The pool's memory now, in PyTorch's snapshot layout (segments
     /// holding blocks), with the recorded history. Exact while no other
     /// thread uses the pool (slots cached in another live thread's
     /// magazine show as allocated); a diagnostic, not a fast call.
