@@ -72,6 +72,15 @@ mod torch;
 
 pub use rmm::write_rmm_log;
 
+/// The non-empty lines of a CSV text: `(1-based line number, trimmed line,
+/// trimmed comma-separated fields)`.
+fn csv_rows(text: &str) -> impl Iterator<Item = (usize, &str, Vec<&str>)> {
+    text.lines().enumerate().filter_map(|(idx, raw)| {
+        let raw = raw.trim();
+        (!raw.is_empty()).then(|| (idx + 1, raw, raw.split(',').map(str::trim).collect()))
+    })
+}
+
 /// The file format a [`Trace`] was read from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TraceFormat {

@@ -20,14 +20,8 @@ pub(super) fn parse(file: &str, base: &str, text: &str) -> Result<Trace> {
     let mut live: HashMap<u64, (Option<u64>, usize)> = HashMap::new();
     let mut seen_first = false;
 
-    for (idx, raw) in text.lines().enumerate() {
-        let line = idx + 1;
+    for (line, raw, fields) in super::csv_rows(text) {
         let at = |msg: String| trace_err(file, format!("line {line}: {msg}"));
-        let raw = raw.trim();
-        if raw.is_empty() {
-            continue;
-        }
-        let fields: Vec<&str> = raw.split(',').map(str::trim).collect();
         if !seen_first {
             seen_first = true;
             if fields[0].eq_ignore_ascii_case("thread") {
