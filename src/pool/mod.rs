@@ -27,6 +27,7 @@ mod inspect;
 #[cfg(all(test, loom))]
 mod loom_tests;
 mod magazine;
+mod maintain;
 mod pending;
 mod reclaim;
 mod size_class;
@@ -39,6 +40,7 @@ mod stream;
 pub(crate) mod sync;
 
 pub use block::Block;
+pub use maintain::MaintainReport;
 pub use size_class::{SizeClasses, ALIGN};
 pub use snapshot::{BlockInfo, BlockState, HistoryAction, HistoryEvent, SegmentInfo, Snapshot};
 pub use stats::{PoolStats, Stat};
@@ -102,6 +104,8 @@ pub(crate) struct PoolShared {
     recording: AtomicBool,
     history: Mutex<History>,
     shut: AtomicBool,
+    /// Idle clock of the maintenance step.
+    idle: Mutex<maintain::IdleState>,
 }
 
 /// Recorded allocation events.
@@ -168,6 +172,7 @@ impl DevicePool {
             recording: AtomicBool::new(false),
             history: Mutex::new(History::default()),
             shut: AtomicBool::new(false),
+            idle: Mutex::new(maintain::IdleState::default()),
             backend,
             cfg,
             info,
