@@ -222,7 +222,13 @@ impl Heap {
     }
 
     fn same_segment(&self, a: u64, b: u64) -> bool {
-        match &self.phys {
+        Self::same_segment_in(&self.phys, a, b)
+    }
+
+    /// Whether `a` and `b` lie in the same plain segment (always, in VMM
+    /// mode). A function of `phys` alone so callers can hold `by_addr`.
+    fn same_segment_in(phys: &Physical, a: u64, b: u64) -> bool {
+        match phys {
             Physical::Vmm { .. } => true,
             Physical::Segments { segs } => {
                 let seg_of = |x: u64| segs.range(..=x).next_back().map(|(s, _)| *s);
@@ -231,25 +237,38 @@ impl Heap {
         }
     }
 
-    /// Inserts a free range and merges it with equal-tag neighbours.
-    fn insert_free(&mut self, mut addr: u64, mut len: u64, tag: Tag) {
+    /// Inserts a free range and merges it with equal-tag neighbours. A
+    /// merge with the range before extends that entry in place, so the
+    /// common cases cost one address lookup per neighbour and one size-set
+    /// update per range touched.
+    fn insert_free(&mut self, addr: u64, len: u64, tag: Tag) {
         if len == 0 {
             return;
         }
-        if let Some((&pa, &pr)) = self.by_addr.range(..addr).next_back() {
-            if pa + pr.len == addr && pr.tag == tag && self.same_segment(pa, addr) {
-                self.index_remove(pa);
-                addr = pa;
-                len += pr.len;
+        let next = self
+            .by_addr
+            .get(&(addr + len))
+            .filter(|nr| nr.tag == tag && Self::same_segment_in(&self.phys, addr, addr + len))
+            .map(|nr| nr.len);
+        if next.is_some() {
+            self.by_addr.remove(&(addr + len));
+        }
+        let set = self.by_tag.entry(tag).or_default();
+        let mut total = len;
+        if let Some(nlen) = next {
+            set.remove(&(nlen, addr + len));
+            total += nlen;
+        }
+        if let Some((&pa, pr)) = self.by_addr.range_mut(..addr).next_back() {
+            if pa + pr.len == addr && pr.tag == tag && Self::same_segment_in(&self.phys, pa, addr) {
+                set.remove(&(pr.len, pa));
+                pr.len += total;
+                set.insert((pr.len, pa));
+                return;
             }
         }
-        if let Some(&nr) = self.by_addr.get(&(addr + len)) {
-            if nr.tag == tag && self.same_segment(addr, addr + len) {
-                self.index_remove(addr + len);
-                len += nr.len;
-            }
-        }
-        self.index_insert(addr, FreeRange { len, tag });
+        self.by_addr.insert(addr, FreeRange { len: total, tag });
+        set.insert((total, addr));
     }
 
     /// Best fit for `len` bytes at `align` among ranges tagged `tag`:
@@ -281,20 +300,26 @@ impl Heap {
     /// `(range len, range addr, start)`.
     fn place(&self, slot: Option<u16>, len: u64, align: u64) -> Option<(u64, u64, u64)> {
         const WIDTH: usize = 8;
-        let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(2 * WIDTH);
+        // On the stack: this runs for every large allocation.
+        let mut buf = [(0u64, 0u64); 2 * WIDTH];
+        let mut n = 0;
         let mut gather = |tag: Tag| {
             if let Some(set) = self.by_tag.get(&tag) {
-                ranges.extend(
-                    set.range((len, 0)..)
-                        .filter(|r| align_up(r.1, align) + len <= r.1 + r.0)
-                        .take(WIDTH),
-                );
+                for &r in set
+                    .range((len, 0)..)
+                    .filter(|r| align_up(r.1, align) + len <= r.1 + r.0)
+                    .take(WIDTH)
+                {
+                    buf[n] = r;
+                    n += 1;
+                }
             }
         };
         gather(Tag::Clean);
         if let Some(s) = slot {
             gather(Tag::Dirty(s));
         }
+        let ranges = &mut buf[..n];
         if ranges.is_empty() {
             // Only aligned (slab) requests can miss here: take the first
             // range large enough to fit at any alignment.
@@ -307,7 +332,7 @@ impl Heap {
             return any.map(|(rlen, raddr)| (rlen, raddr, align_up(raddr, align)));
         }
         ranges.sort_unstable();
-        ranges.truncate(WIDTH);
+        let ranges = &ranges[..ranges.len().min(WIDTH)];
         // Blocks smaller than a granule go to the high end of a range and
         // larger ones to the low end, so that small blocks collect together
         // instead of pinning granules between large ones.
@@ -326,7 +351,7 @@ impl Heap {
             return Some((rlen, raddr, first));
         }
         let mut best: Option<(u64, u64, u64, u64)> = None; // (cost, rlen, raddr, start)
-        for &(rlen, raddr) in &ranges {
+        for &(rlen, raddr) in ranges {
             let lo = align_up(raddr, align);
             let hi = (raddr + rlen - len) / align * align;
             let (a, b) = if high {
@@ -429,6 +454,45 @@ impl Heap {
         Err(last.expect("at least one candidate was tried"))
     }
 
+    /// Removes `[start, start+len)` from free range `(raddr, rlen)`,
+    /// keeping its head and tail free with the same tag; returns the range.
+    /// Neither piece can merge with anything: the range's neighbours were
+    /// already unmergeable (equal-tag neighbours are always merged), and the
+    /// taken part lies between the pieces. So the head keeps the range's
+    /// entry, resized in place.
+    fn split_free(&mut self, raddr: u64, rlen: u64, start: u64, len: u64) -> FreeRange {
+        let (head, tail) = (start - raddr, raddr + rlen - start - len);
+        let entry = self.by_addr.get_mut(&raddr).expect("free range exists");
+        debug_assert_eq!(entry.len, rlen);
+        let r = *entry;
+        if head > 0 {
+            entry.len = head;
+        } else {
+            self.by_addr.remove(&raddr);
+        }
+        if tail > 0 {
+            self.by_addr.insert(
+                start + len,
+                FreeRange {
+                    len: tail,
+                    tag: r.tag,
+                },
+            );
+        }
+        let set = self.by_tag.get_mut(&r.tag).expect("tag set exists");
+        set.remove(&(rlen, raddr));
+        if head > 0 {
+            set.insert((head, raddr));
+        }
+        if tail > 0 {
+            set.insert((tail, start + len));
+        }
+        if set.is_empty() && r.tag != Tag::Clean {
+            self.by_tag.remove(&r.tag);
+        }
+        r
+    }
+
     /// Takes `len` bytes at `align` out of free range `(raddr, rlen)`.
     fn take(
         &mut self,
@@ -438,13 +502,10 @@ impl Heap {
         len: u64,
         ctx: StealCtx,
     ) -> Result<Taken> {
-        let r = self.index_remove(raddr);
-        debug_assert_eq!(r.len, rlen);
         debug_assert!(start >= raddr && start + len <= raddr + rlen);
         // Put the unused head and tail back first, so that idle granules in
         // them can be stolen to back the taken part.
-        self.insert_free(raddr, start - raddr, r.tag);
-        self.insert_free(start + len, raddr + rlen - start - len, r.tag);
+        let r = self.split_free(raddr, rlen, start, len);
         let mut aliased = Vec::new();
         if let Err(e) = self.back(start, len, ctx, &mut aliased) {
             self.insert_free(start, len, r.tag);
