@@ -13,10 +13,11 @@
 #   1. the backend conformance suite against CudaBackend (and the simulator);
 #   2. the compaction kernel check (NVRTC compile + moves vs sequential memmove);
 #   3. `gpupool info` and a demo run on the real device;
-#   4. the PyTorch pluggable-allocator run (python/examples/train.py: a small
+#   4. GPU micro-benchmarks (`gpupool bench --gpu`): pool alloc/free pairs vs
+#      cuMemAlloc and cuMemAllocAsync, compaction kernel vs cuMemcpyDtoD;
+#   5. the PyTorch pluggable-allocator run (python/examples/train.py: a small
 #      transformer trained with gpupool and with PyTorch's allocator);
 # and writes logs and a summary to $OUT (or gpu-out/ when $OUT is unset).
-# Later work adds: GPU micro-benchmarks against cuMemAlloc/cuMemAllocAsync.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bundle="$repo/gpu-bundle"
@@ -76,6 +77,7 @@ run() {
     GPUPOOL_REQUIRE_NVRTC=1 check kernel "$bundle/kernel_nvrtc" --test-threads=1
     check info "$bundle/gpupool" info --backend cuda --json
     check demo "$bundle/gpupool" demo --backend cuda --json
+    check bench_gpu "$bundle/gpupool" bench --gpu --json
     GPUPOOL_LIB="$bundle/libgpupool.so" check torch \
         python3 python/examples/train.py --steps 300 --out "$out/torch.json"
     grep -h "test result" "$out"/*.log | tee -a "$summary"

@@ -13,6 +13,7 @@
 //! released on drop. Every method makes that context current on the calling
 //! thread first.
 
+mod baseline;
 pub mod kernel;
 
 use super::move_groups::{self, split_move};

@@ -36,6 +36,7 @@
 //!   the figure is the median of the timed runs.
 
 pub mod baselines;
+pub mod gpu;
 
 use crate::backend::sim::SimBacking;
 use crate::config::{BackendKind, PoolConfig, SimConfig};

@@ -60,6 +60,10 @@ enum Command {
         /// A short run (seconds), for smoke tests.
         #[arg(long)]
         quick: bool,
+        /// On a CUDA device instead: pool pairs vs cuMemAlloc and
+        /// cuMemAllocAsync, compaction kernel vs cuMemcpyDtoD.
+        #[arg(long)]
+        gpu: bool,
     },
 }
 
@@ -323,7 +327,19 @@ fn run() -> Result<()> {
             plot,
             repeats,
         } => replay(&files, json, plot.as_deref(), repeats)?,
-        Command::Bench { json, quick } => {
+        Command::Bench {
+            json,
+            quick,
+            gpu: true,
+        } => {
+            let report = gpupool::bench::gpu::run(quick)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{report}");
+            }
+        }
+        Command::Bench { json, quick, .. } => {
             let report = gpupool::bench::run(&gpupool::bench::BenchOptions {
                 quick,
                 ..Default::default()
