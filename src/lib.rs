@@ -18,6 +18,7 @@ pub mod ffi;
 pub mod pool;
 mod ptr;
 pub mod runtime;
+pub mod stress;
 pub mod topology;
 pub mod trace;
 

@@ -37,6 +37,7 @@
 
 pub mod baselines;
 pub mod gpu;
+pub mod multi_stream;
 
 use crate::backend::sim::SimBacking;
 use crate::config::{BackendKind, PoolConfig, SimConfig};
@@ -89,6 +90,9 @@ pub struct BenchReport {
     pub threads: Vec<ThreadsRow>,
     /// RMM's random_allocations benchmark, by `n`.
     pub random_allocations: Vec<RandomAllocationsRow>,
+    /// RMM's multi_stream_allocations benchmark, by stream count (see
+    /// [`multi_stream`]).
+    pub multi_stream_allocations: Vec<multi_stream::MultiStreamRow>,
     /// The project's performance targets against the figures above.
     pub targets: Vec<Target>,
     /// Wall time of the whole run in seconds.
@@ -661,6 +665,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         pair_ns: pair_ns(&plan)?,
         threads: threads_table(&plan, max_threads)?,
         random_allocations: random_table(&plan)?,
+        multi_stream_allocations: multi_stream::table(opts.quick)?,
         targets: Vec::new(),
         seconds: 0.0,
     };
@@ -795,6 +800,7 @@ impl fmt::Display for BenchReport {
                 r.n, r.ns_per_op, r.mutex_best_fit_ns_per_op, r.mutex_vs_gpupool
             )?;
         }
+        self.fmt_multi_stream(f)?;
         if !self.targets.is_empty() {
             writeln!(f)?;
             writeln!(f, "targets")?;
@@ -808,6 +814,39 @@ impl fmt::Display for BenchReport {
                     if t.met { "met" } else { "MISSED" }
                 )?;
             }
+        }
+        Ok(())
+    }
+}
+
+impl BenchReport {
+    fn fmt_multi_stream(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(first) = self.multi_stream_allocations.first() else {
+            return Ok(());
+        };
+        writeln!(f)?;
+        writeln!(
+            f,
+            "multi_stream_allocations (RMM: {} x {} B alloc + {:.1} ms kernel + free per iteration, ns per kernel)",
+            first.kernels,
+            multi_stream::BYTES,
+            first.kernel_ns as f64 / 1e6
+        )?;
+        writeln!(
+            f,
+            "  {:>7} {:>7}  {:>10} {:>12}  {:>17}",
+            "streams", "prewarm", "gpupool", "gpupool host", "mutex_bf (syncs)"
+        )?;
+        for r in &self.multi_stream_allocations {
+            writeln!(
+                f,
+                "  {:>7} {:>7}  {:>10.0} {:>12.0}  {:>17.0}",
+                r.streams,
+                if r.prewarm { "yes" } else { "no" },
+                r.ns_per_op,
+                r.host_ns_per_op,
+                r.mutex_best_fit_ns_per_op
+            )?;
         }
         Ok(())
     }
@@ -872,6 +911,12 @@ mod tests {
         for row in random {
             assert!(row["ns_per_op"].is_f64());
         }
+        let multi = j["multi_stream_allocations"].as_array().unwrap();
+        assert_eq!(multi.len(), 6);
+        for row in multi {
+            assert!([1, 2, 4].contains(&row["streams"].as_u64().unwrap()));
+            assert!(row["ns_per_op"].as_f64().unwrap() > 0.0);
+        }
         let figures: usize = ["pair_ns", "threads", "random_allocations", "targets"]
             .iter()
             .map(|k| check_numbers(&j[*k], k))
@@ -886,6 +931,7 @@ mod tests {
             "mutex_best_fit",
             "offset_allocator",
             "random_allocations",
+            "multi_stream_allocations",
         ] {
             assert!(table.contains(word), "{table}");
         }

@@ -65,6 +65,9 @@ enum Command {
         #[arg(long)]
         gpu: bool,
     },
+    /// Multi-device, multi-stream, multi-thread stress on the simulator, with
+    /// integrity verification and a progress bar.
+    Stress(StressArgs),
 }
 
 #[derive(Args, Clone)]
@@ -327,6 +330,7 @@ fn run() -> Result<()> {
             plot,
             repeats,
         } => replay(&files, json, plot.as_deref(), repeats)?,
+        Command::Stress(args) => stress(&args)?,
         Command::Bench {
             json,
             quick,
@@ -350,6 +354,90 @@ fn run() -> Result<()> {
                 println!("{report}");
             }
         }
+    }
+    Ok(())
+}
+
+/// Flags of `gpupool stress`.
+#[derive(Args)]
+struct StressArgs {
+    /// Simulated devices.
+    #[arg(long, default_value_t = 4)]
+    devices: usize,
+    /// Streams per device.
+    #[arg(long, default_value_t = 4)]
+    streams: usize,
+    /// Threads per device.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// Seconds of traffic.
+    #[arg(long, default_value_t = 10.0)]
+    duration: f64,
+    /// Write and verify a pattern in every block with simulated kernels.
+    #[arg(long)]
+    verify: bool,
+    /// training or serving.
+    #[arg(long, default_value = "training")]
+    workload: String,
+    /// Seed of the request sequence.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Memory of each simulated device, e.g. 1GiB (backed by host memory).
+    #[arg(long, default_value = "1GiB")]
+    capacity: String,
+    /// Print JSON instead of text (hides the progress bar).
+    #[arg(long)]
+    json: bool,
+}
+
+fn stress(a: &StressArgs) -> Result<()> {
+    use gpupool::stress::{run, StressOptions};
+    use std::io::IsTerminal;
+    let config = PoolConfig::from_env().context("GPUPOOL_CONF")?;
+    let capacity_bytes = gpupool::config::parse_size(&a.capacity)
+        .map_err(|e| anyhow::anyhow!("--capacity {}: {e}", a.capacity))?;
+    if !(a.duration.is_finite() && a.duration > 0.0) {
+        anyhow::bail!(
+            "--duration {}: expected a positive number of seconds",
+            a.duration
+        );
+    }
+    let opts = StressOptions {
+        devices: a.devices,
+        streams: a.streams,
+        threads: a.threads,
+        duration: std::time::Duration::from_secs_f64(a.duration),
+        verify: a.verify,
+        workload: a.workload.parse()?,
+        seed: a.seed,
+        capacity_bytes,
+        config,
+        ..Default::default()
+    };
+    let bar = if a.json || !std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(opts.duration.as_millis() as u64)
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {elapsed_precise}/{duration_precise} {msg}",
+        )
+        .context("progress bar template")?,
+    );
+    let report = run(&opts, |p| {
+        bar.set_position(p.elapsed.as_millis() as u64);
+        bar.set_message(format!(
+            "{} ops, {} MiB reserved, {} bad bytes",
+            p.ops,
+            p.reserved_bytes >> 20,
+            p.integrity_errors
+        ));
+    })?;
+    bar.finish_and_clear();
+    print(a.json, &report)?;
+    if !report.passed() {
+        anyhow::bail!("stress run failed: see the report");
     }
     Ok(())
 }
