@@ -10,6 +10,7 @@
 
 pub mod backend;
 pub mod bench;
+pub mod collective;
 pub mod config;
 pub mod demo;
 mod error;
