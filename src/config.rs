@@ -86,7 +86,7 @@ impl Default for PoolConfig {
             compact_release: true,
             maintenance_tick: Some(Duration::from_millis(5)),
             idle_release: None,
-            release_fraction: 1.5,
+            release_fraction: 2.0,
         }
     }
 }
@@ -158,7 +158,7 @@ impl PoolConfig {
         ),
         (
             "release_fraction",
-            "idle release keeps cached bytes up to this multiple of the last busy period's peak (default 1.5)",
+            "idle release keeps cached bytes up to this multiple of the last busy period's peak (default 2)",
         ),
     ];
 

@@ -21,6 +21,7 @@ mod ptr;
 pub mod runtime;
 pub mod topology;
 pub mod trace;
+pub mod train;
 
 pub use backend::{Backend, DeviceInfo, Move};
 pub use config::{BackendKind, PoolConfig, SimConfig};

@@ -77,10 +77,13 @@ struct Shared {
     binding: parking_lot::Mutex<Option<ThreadBinding>>,
 }
 
+/// One running thread: name, device, counters, handle (taken at join).
+type Thread = (String, usize, Arc<Shared>, Option<JoinHandle<()>>);
+
 /// The maintenance threads of one runtime.
 #[derive(Debug, Default)]
 pub(crate) struct Maintenance {
-    threads: Vec<(String, usize, Arc<Shared>, Option<JoinHandle<()>>)>,
+    threads: Vec<Thread>,
 }
 
 /// Whether the idle release policy gives memory back: cached bytes above

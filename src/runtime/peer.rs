@@ -32,7 +32,9 @@ impl PeerMatrix {
                 match backend.can_access_peer(p, d) {
                     Ok(true) => peers.push(p),
                     Ok(false) => m.notes.push(format!("device {p} cannot access device {d}")),
-                    Err(e) => m.notes.push(format!("cuDeviceCanAccessPeer({p}, {d}): {e}")),
+                    Err(e) => m
+                        .notes
+                        .push(format!("cuDeviceCanAccessPeer({p}, {d}): {e}")),
                 }
             }
             if peers.is_empty() {
@@ -62,7 +64,10 @@ impl PeerMatrix {
 
 impl fmt::Display for PeerMatrix {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "peer access (row: memory of device, column: accessing device)\n      ")?;
+        write!(
+            f,
+            "peer access (row: memory of device, column: accessing device)\n      "
+        )?;
         for p in 0..self.access.len() {
             write!(f, "{p:>4}")?;
         }
