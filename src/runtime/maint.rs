@@ -228,7 +228,63 @@ fn run(
 
 #[cfg(test)]
 mod tests {
-    use super::over_threshold;
+    use super::{over_threshold, ThreadBinding};
+    use crate::config::{BackendKind, SimConfig};
+    use crate::runtime::{MaintenanceStats, Runtime};
+    use std::time::{Duration, Instant};
+
+    /// A runtime over 2 simulated devices, once its threads have bound.
+    fn bound_runtime() -> (Runtime, Vec<MaintenanceStats>) {
+        let rt = Runtime::builder()
+            .backend(BackendKind::Sim(SimConfig {
+                devices: 2,
+                ..Default::default()
+            }))
+            .build()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while rt.maintenance_stats().iter().any(|m| m.binding.is_none()) {
+            assert!(Instant::now() < deadline, "threads did not start");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let stats = rt.maintenance_stats();
+        (rt, stats)
+    }
+
+    #[cfg(feature = "hwloc")]
+    #[test]
+    fn topology_binds_maintenance_threads_with_hwloc() {
+        let (rt, stats) = bound_runtime();
+        let topo = rt.topology();
+        assert_eq!(stats.len(), 2);
+        for m in &stats {
+            match (&m.binding, topo.source) {
+                (Some(ThreadBinding::Bound { cpus }), "hwloc") => {
+                    // Bound to what hwloc calls nearest (all host CPUs for
+                    // the simulator's made-up bus ids), read back from the OS.
+                    assert_eq!(cpus, &topo.devices[m.device].cpus, "{m:?}");
+                }
+                (Some(ThreadBinding::Unbound { reason }), src) if src != "hwloc" => {
+                    assert_eq!(reason, &topo.note);
+                }
+                other => panic!("{other:?} with topology {topo}"),
+            }
+        }
+    }
+
+    #[cfg(not(feature = "hwloc"))]
+    #[test]
+    fn topology_leaves_maintenance_threads_unbound_without_hwloc() {
+        let (_rt, stats) = bound_runtime();
+        for m in &stats {
+            assert_eq!(
+                m.binding,
+                Some(ThreadBinding::Unbound {
+                    reason: crate::topology::NO_HWLOC_NOTE.into()
+                })
+            );
+        }
+    }
 
     #[test]
     fn threshold_compares_cache_with_the_busy_peak() {
