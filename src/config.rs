@@ -58,6 +58,17 @@ pub struct PoolConfig {
     /// Give memory emptied by compaction back to the device (`true`) or keep
     /// it cached in the pool (`false`).
     pub compact_release: bool,
+    /// Interval of the runtime's per-device maintenance threads (`None`:
+    /// no threads). See `Runtime`.
+    pub maintenance_tick: Option<Duration>,
+    /// Idle release policy: after this long without traffic, the
+    /// maintenance thread gives cached memory back to the device when it
+    /// exceeds [`PoolConfig::release_fraction`] times what the last busy
+    /// period needed (`None`: never automatically).
+    pub idle_release: Option<Duration>,
+    /// The idle release policy's threshold, as a multiple of the peak of
+    /// active bytes during the last busy period.
+    pub release_fraction: f64,
 }
 
 impl Default for PoolConfig {
@@ -73,6 +84,9 @@ impl Default for PoolConfig {
             compact_max_bytes: 256 << 20,
             compact_max_blocks: 4096,
             compact_release: true,
+            maintenance_tick: Some(Duration::from_millis(5)),
+            idle_release: None,
+            release_fraction: 2.0,
         }
     }
 }
@@ -133,6 +147,18 @@ impl PoolConfig {
         (
             "compact_release",
             "return compacted memory to the device (default true)",
+        ),
+        (
+            "maint_ms",
+            "tick of the per-device maintenance threads, 0 = no threads (default 5)",
+        ),
+        (
+            "idle_release_ms",
+            "idle time before cached memory above release_fraction is given back, 0 = never (default 0)",
+        ),
+        (
+            "release_fraction",
+            "idle release keeps cached bytes up to this multiple of the last busy period's peak (default 2)",
         ),
     ];
 
@@ -209,6 +235,23 @@ impl PoolConfig {
                     c.compact_max_blocks = nonzero(parse_u64(value)).map_err(bad)? as usize
                 }
                 "compact_release" => c.compact_release = parse_bool(value).map_err(bad)?,
+                "maint_ms" => {
+                    let ms = parse_u64(value).map_err(bad)?;
+                    c.maintenance_tick = (ms > 0).then(|| Duration::from_millis(ms));
+                }
+                "idle_release_ms" => {
+                    let ms = parse_u64(value).map_err(bad)?;
+                    c.idle_release = (ms > 0).then(|| Duration::from_millis(ms));
+                }
+                "release_fraction" => {
+                    let f: f64 = value
+                        .parse()
+                        .map_err(|_| bad(format!("{value:?} is not a number")))?;
+                    if !(f.is_finite() && f >= 0.0) {
+                        return Err(bad(format!("{value}: a finite number >= 0")));
+                    }
+                    c.release_fraction = f;
+                }
                 _ => {
                     return Err(Error::Config {
                         key: key.to_string(),

@@ -10,6 +10,7 @@
 
 pub mod backend;
 pub mod bench;
+pub mod collective;
 pub mod config;
 pub mod demo;
 mod error;
@@ -21,6 +22,7 @@ pub mod runtime;
 pub mod stress;
 pub mod topology;
 pub mod trace;
+pub mod train;
 
 pub use backend::{Backend, DeviceInfo, Move};
 pub use config::{BackendKind, PoolConfig, SimConfig};

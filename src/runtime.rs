@@ -1,17 +1,35 @@
 //! The runtime: one independent [`DevicePool`] per device of a backend.
+//!
+//! Besides the pools, a runtime owns one maintenance thread per device
+//! ([`maint`]: harvesting, idle work, the idle release policy; bound next
+//! to the device with the `hwloc` feature), enables peer access between
+//! pools where the backend allows it ([`PeerMatrix`]), and runs per-device
+//! work in parallel with rayon: construction, [`Runtime::warm_up`] and
+//! [`Runtime::trim`].
+
+mod maint;
+mod peer;
+
+pub use maint::{MaintenanceStats, ThreadBinding};
+pub use peer::PeerMatrix;
 
 use crate::backend::{self, Backend};
 use crate::config::{BackendKind, PoolConfig};
 use crate::error::{Error, Result};
 use crate::pool::DevicePool;
+use crate::topology::Topology;
 use rayon::prelude::*;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Builds a [`Runtime`].
 #[derive(Debug, Default)]
 pub struct RuntimeBuilder {
     backend: Option<BackendKind>,
     config: Option<PoolConfig>,
+    maintenance: Option<bool>,
+    tick: Option<Duration>,
+    peer_access: Option<bool>,
 }
 
 impl RuntimeBuilder {
@@ -27,12 +45,46 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Opens the backend and builds one pool per device, in parallel.
+    /// Turns the per-device maintenance threads on (the default, unless
+    /// the config's `maint_ms` is 0) or off.
+    pub fn maintenance(mut self, on: bool) -> Self {
+        self.maintenance = Some(on);
+        self
+    }
+
+    /// The maintenance threads' tick; overrides the config's `maint_ms`.
+    pub fn maintenance_tick(mut self, tick: Duration) -> Self {
+        self.tick = Some(tick);
+        self
+    }
+
+    /// Enables peer access between pools where the backend allows it (the
+    /// default) or leaves every pool private.
+    pub fn peer_access(mut self, on: bool) -> Self {
+        self.peer_access = Some(on);
+        self
+    }
+
+    /// Opens the backend, builds one pool per device in parallel, enables
+    /// peer access and starts the maintenance threads.
     pub fn build(self) -> Result<Runtime> {
-        let config = self.config.unwrap_or_default();
+        let mut config = self.config.unwrap_or_default();
+        if let Some(t) = self.tick {
+            if t.is_zero() {
+                return Err(Error::InvalidArgument(
+                    "the maintenance tick must be longer than zero".into(),
+                ));
+            }
+            config.maintenance_tick = Some(t);
+        }
+        if self.maintenance == Some(false) {
+            config.maintenance_tick = None;
+        } else if self.maintenance == Some(true) && config.maintenance_tick.is_none() {
+            config.maintenance_tick = PoolConfig::default().maintenance_tick;
+        }
         let kind = self.backend.unwrap_or_else(|| config.backend.clone());
         let backend = backend::open(&kind, &config.sim)?;
-        Runtime::with_backend(backend, config)
+        Runtime::start(backend, config, self.peer_access.unwrap_or(true))
     }
 }
 
@@ -42,7 +94,11 @@ impl RuntimeBuilder {
 pub struct Runtime {
     backend: Arc<dyn Backend>,
     config: PoolConfig,
-    pools: Vec<DevicePool>,
+    /// Shared with the maintenance threads, which stop before it drops.
+    pools: Arc<Vec<DevicePool>>,
+    topology: Topology,
+    peers: PeerMatrix,
+    maintenance: parking_lot::Mutex<maint::Maintenance>,
 }
 
 impl Runtime {
@@ -51,17 +107,87 @@ impl Runtime {
         RuntimeBuilder::default()
     }
 
-    /// A runtime over an already opened backend.
+    /// A runtime over an already opened backend, with peer access and
+    /// the maintenance threads the config asks for.
     pub fn with_backend(backend: Arc<dyn Backend>, config: PoolConfig) -> Result<Runtime> {
+        Runtime::start(backend, config, true)
+    }
+
+    fn start(backend: Arc<dyn Backend>, config: PoolConfig, peers: bool) -> Result<Runtime> {
         let pools = (0..backend.device_count())
             .into_par_iter()
             .map(|d| DevicePool::new(backend.clone(), d, config.clone()))
             .collect::<Result<Vec<_>>>()?;
+        let pools = Arc::new(pools);
+        let infos: Vec<_> = pools.iter().map(|p| p.info().clone()).collect();
+        let topology = crate::topology::discover(&infos);
+        let peers = if peers {
+            PeerMatrix::enable(&*backend, &pools)
+        } else {
+            PeerMatrix {
+                access: (0..pools.len())
+                    .map(|d| (0..pools.len()).map(|p| p == d).collect())
+                    .collect(),
+                notes: vec!["peer access turned off".into()],
+            }
+        };
+        let maintenance = match config.maintenance_tick {
+            Some(tick) => maint::Maintenance::start(&pools, tick, &topology)?,
+            None => maint::Maintenance::default(),
+        };
         Ok(Runtime {
             backend,
             config,
             pools,
+            topology,
+            peers,
+            maintenance: parking_lot::Mutex::new(maintenance),
         })
+    }
+
+    /// The topology found at start (NUMA node and CPUs nearest each device).
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    /// Which pools' memory which devices may access.
+    pub fn peer_matrix(&self) -> &PeerMatrix {
+        &self.peers
+    }
+
+    /// What each device's maintenance thread did so far (empty when the
+    /// threads are off; the counts stay readable after
+    /// [`Runtime::shutdown`] stopped them).
+    pub fn maintenance_stats(&self) -> Vec<MaintenanceStats> {
+        self.maintenance.lock().stats()
+    }
+
+    /// Pre-reserves `bytes` on every pool in parallel, so that the first
+    /// steps of a job do not grow the pools one chunk at a time: allocates
+    /// and frees one block of `bytes` per device, then [settles](DevicePool::settle)
+    /// the pool so that any stream may reuse the memory. Blocks the host
+    /// (once, at warm-up). Returns each device's reserved bytes after.
+    pub fn warm_up(&self, bytes: u64) -> Result<Vec<u64>> {
+        if bytes == 0 {
+            return Err(Error::InvalidSize {
+                size: 0,
+                why: "zero-byte warm-up",
+            });
+        }
+        let size = usize::try_from(bytes).map_err(|_| Error::InvalidSize {
+            size: bytes,
+            why: "larger than the address space",
+        })?;
+        self.pools
+            .par_iter()
+            .map(|p| {
+                let s = p.new_stream()?;
+                drop(p.alloc(size, &s)?);
+                drop(s);
+                p.settle()?;
+                Ok(p.stats().reserved_bytes.current)
+            })
+            .collect()
     }
 
     /// The pool of device `dev`.
@@ -96,7 +222,7 @@ impl Runtime {
     pub fn trim(&self) -> Result<u64> {
         // The pools trim on rayon's threads: empty this thread's magazines
         // here first.
-        for p in &self.pools {
+        for p in self.pools.iter() {
             p.flush_thread_cache();
         }
         self.pools
@@ -105,10 +231,19 @@ impl Runtime {
             .try_reduce(|| 0, |a, b| Ok(a + b))
     }
 
-    /// Shuts every pool down: later calls fail with [`Error::Shutdown`].
+    /// Stops the maintenance threads and shuts every pool down: later
+    /// calls fail with [`Error::Shutdown`].
     pub fn shutdown(&self) {
-        for p in &self.pools {
+        self.maintenance.lock().stop();
+        for p in self.pools.iter() {
             p.shutdown();
         }
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        // The threads hold the pools: stop them before the pools go.
+        self.maintenance.get_mut().stop();
     }
 }

@@ -706,6 +706,9 @@ fn run(ops: &[Op], vmm: bool, kernels: bool) -> Result<(), TestCaseError> {
             ..Default::default()
         }))
         .config(PoolConfig::default())
+        // The model compares exact stats around each step: no background
+        // harvesting between them.
+        .maintenance(false)
         .build()
         .unwrap();
     let dev = rt.device(0).unwrap();

@@ -23,9 +23,12 @@ enum Command {
     Demo {
         #[command(flatten)]
         common: Common,
-        /// Training steps.
-        #[arg(long, default_value_t = 6)]
+        /// Training steps (spread over batch phases 32, 64, 16).
+        #[arg(long, default_value_t = 9)]
         steps: usize,
+        /// Where to write the SVG plot of memory over time.
+        #[arg(long, default_value = "target/gpupool-demo.svg")]
+        plot: std::path::PathBuf,
     },
     /// Print the backend, its devices and the effective configuration.
     Info {
@@ -87,8 +90,18 @@ impl Common {
     /// The runtime the options describe; `sim_devices` is the simulator's
     /// device count when neither the flag nor GPUPOOL_CONF says.
     fn runtime(&self, sim_devices: usize) -> Result<Runtime> {
+        self.runtime_with(sim_devices, |_| {})
+    }
+
+    /// [`Common::runtime`], with `tune` applied to the configuration.
+    fn runtime_with(
+        &self,
+        sim_devices: usize,
+        tune: impl FnOnce(&mut PoolConfig),
+    ) -> Result<Runtime> {
         let conf = std::env::var("GPUPOOL_CONF").unwrap_or_default();
         let mut cfg = PoolConfig::parse(&conf).context("GPUPOOL_CONF")?;
+        tune(&mut cfg);
         if !conf.contains("devices=") {
             cfg.sim.devices = sim_devices;
         }
@@ -167,6 +180,55 @@ impl std::fmt::Display for InfoReport {
             writeln!(f, "  {k:<20} {v}")?;
         }
         Ok(())
+    }
+}
+
+/// `gpupool topo`: the topology, where each maintenance thread runs, and
+/// the peer-access matrix.
+#[derive(serde::Serialize)]
+struct TopoReport {
+    #[serde(flatten)]
+    topology: gpupool::topology::Topology,
+    maintenance: Vec<gpupool::runtime::MaintenanceStats>,
+    peer_access: gpupool::runtime::PeerMatrix,
+}
+
+impl TopoReport {
+    fn of(rt: &Runtime) -> TopoReport {
+        // Give the threads a moment to bind and report it.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while rt.maintenance_stats().iter().any(|m| m.binding.is_none())
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        TopoReport {
+            topology: rt.topology().clone(),
+            maintenance: rt.maintenance_stats(),
+            peer_access: rt.peer_matrix().clone(),
+        }
+    }
+}
+
+impl std::fmt::Display for TopoReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use gpupool::runtime::ThreadBinding;
+        writeln!(f, "{}", self.topology)?;
+        if self.maintenance.is_empty() {
+            writeln!(f, "maintenance threads: off")?;
+        }
+        for m in &self.maintenance {
+            match &m.binding {
+                Some(ThreadBinding::Bound { cpus }) => {
+                    writeln!(f, "{}: bound to CPUs {cpus:?}", m.thread)?
+                }
+                Some(ThreadBinding::Unbound { reason }) => {
+                    writeln!(f, "{}: unbound ({reason})", m.thread)?
+                }
+                None => writeln!(f, "{}: not started", m.thread)?,
+            }
+        }
+        write!(f, "{}", self.peer_access)
     }
 }
 
@@ -306,23 +368,30 @@ fn run() -> Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.command {
-        Command::Demo { common, steps } => {
-            let rt = common.runtime(4)?;
+        Command::Demo {
+            common,
+            steps,
+            plot,
+        } => {
+            let rt = common.runtime_with(4, gpupool::demo::tune_config)?;
             let opts = gpupool::demo::DemoOptions {
                 steps,
+                plot: Some(plot),
                 ..Default::default()
             };
             let report = gpupool::demo::run(&rt, &opts)?;
             print(common.json, &report)?;
-            if !report.gradients_match {
+            if !report.train.gradients_match {
                 anyhow::bail!("gradients differ between devices");
+            }
+            if !report.train.ok() {
+                anyhow::bail!("a harness check failed (see the report)");
             }
         }
         Command::Info { common } => info(&common)?,
         Command::Topo { common } => {
             let rt = common.runtime(SimConfig::default().devices)?;
-            let infos: Vec<_> = rt.devices().iter().map(|p| p.info().clone()).collect();
-            print(common.json, &gpupool::topology::discover(&infos))?;
+            print(common.json, &TopoReport::of(&rt))?;
         }
         Command::Replay {
             files,

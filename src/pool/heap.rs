@@ -114,6 +114,8 @@ pub(crate) struct Heap {
     pub device_allocs: u64,
     /// Device frees made.
     pub device_frees: u64,
+    /// Peer devices granted access to every mapped chunk (see `peer.rs`).
+    peers: Vec<usize>,
 }
 
 fn align_up(v: u64, a: u64) -> u64 {
@@ -172,6 +174,7 @@ impl Heap {
             fresh_waits: Vec::new(),
             device_allocs: 0,
             device_frees: 0,
+            peers: Vec::new(),
             backend,
         };
         if info.vmm_supported {
@@ -739,6 +742,16 @@ impl Heap {
         let va = *base + g as u64 * self.gran;
         self.backend
             .map(self.dev, DevicePtr(va), self.gran, chunk, 0)?;
+        // Access is per mapping: peers get it on every new one.
+        if !self.peers.is_empty() {
+            if let Err(e) = self
+                .backend
+                .set_access(self.dev, DevicePtr(va), self.gran, &self.peers)
+            {
+                let _ = self.backend.unmap(self.dev, DevicePtr(va), self.gran);
+                return Err(e);
+            }
+        }
         granules[g as usize].chunk = Some(chunk);
         mapped.add(g as usize, 1);
         Ok(())
@@ -936,6 +949,27 @@ impl Heap {
             }
             self.insert_free(va, self.gran, Tag::Clean);
         }
+    }
+
+    /// Grants `peers` access to every mapped granule, and to every granule
+    /// mapped from now on. VMM mode only (segments need
+    /// `cuCtxEnablePeerAccess`, which the backend seam does not offer):
+    /// `Unsupported` otherwise. On an error the earlier peer set stays.
+    pub(crate) fn set_peers(&mut self, peers: &[usize]) -> Result<()> {
+        let Physical::Vmm { base, granules, .. } = &self.phys else {
+            return Err(Error::Unsupported(
+                "peer access to plain segments (no VMM)".into(),
+            ));
+        };
+        for (g, gr) in granules.iter().enumerate() {
+            if gr.chunk.is_some() {
+                let va = *base + g as u64 * self.gran;
+                self.backend
+                    .set_access(self.dev, DevicePtr(va), self.gran, peers)?;
+            }
+        }
+        self.peers = peers.to_vec();
+        Ok(())
     }
 
     /// Unmaps an idle granule and returns its chunk.

@@ -100,6 +100,8 @@ impl PoolShared {
     }
 
     pub(crate) fn audit(&self) -> std::result::Result<PoolStats, String> {
+        // The runtime's maintenance thread waits while the audit runs.
+        let _gate = self.maint_gate.lock();
         super::magazine::flush_for(self);
         let h = self.heap.lock();
         h.heap.check()?;
@@ -157,6 +159,7 @@ impl PoolShared {
     }
 
     pub(crate) fn snapshot(&self) -> Snapshot {
+        let _gate = self.maint_gate.lock();
         super::magazine::flush_for(self);
         let stats = self.stats();
         let h = self.heap.lock();

@@ -28,8 +28,10 @@ mod inspect;
 mod loom_tests;
 mod magazine;
 mod maintain;
+mod peer;
 mod pending;
 mod reclaim;
+mod release;
 mod size_class;
 mod slab_index;
 mod small;
@@ -106,6 +108,9 @@ pub(crate) struct PoolShared {
     shut: AtomicBool,
     /// Idle clock of the maintenance step.
     idle: Mutex<maintain::IdleState>,
+    /// Held by the runtime's maintenance thread during a tick and by
+    /// `audit`, so that an audit never sees a harvest half done.
+    maint_gate: Mutex<()>,
 }
 
 /// Recorded allocation events.
@@ -173,6 +178,7 @@ impl DevicePool {
             history: Mutex::new(History::default()),
             shut: AtomicBool::new(false),
             idle: Mutex::new(maintain::IdleState::default()),
+            maint_gate: Mutex::new(()),
             backend,
             cfg,
             info,

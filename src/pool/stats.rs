@@ -141,6 +141,9 @@ pub(crate) struct Counters {
     pub grown: AtomicU64,
     /// Bytes of small slots on the pending list.
     pub pending_slot_bytes: AtomicU64,
+    /// Peak of `active` since the last [`Counters::start_window`] (the idle
+    /// release policy's measure of what the last busy period needed).
+    pub window_peak_active: AtomicU64,
 }
 
 impl Counters {
@@ -160,6 +163,7 @@ impl Counters {
             handovers: AtomicU64::new(0),
             grown: AtomicU64::new(0),
             pending_slot_bytes: AtomicU64::new(0),
+            window_peak_active: AtomicU64::new(0),
         }
     }
 
@@ -225,6 +229,22 @@ impl Counters {
         let (al, ac, _, _) = self.totals();
         self.peak_allocated.fetch_max(al, Relaxed);
         self.peak_active.fetch_max(ac, Relaxed);
+        self.window_peak_active.fetch_max(ac, Relaxed);
+    }
+
+    /// Starts a new peak window: the window peak becomes the current
+    /// `active` total, and every shard's high-water mark drops to its
+    /// current value so that the window's new highs are sampled again. The
+    /// all-time peaks are untouched. Called by the maintenance thread when
+    /// the pool goes idle, never on the fast path; a race with a shard's
+    /// owner only makes one sample early or late.
+    pub(crate) fn start_window(&self) -> u64 {
+        for s in self.shards.iter() {
+            s.high.store(s.active.load(Relaxed), Relaxed);
+        }
+        let (_, ac, _, _) = self.totals();
+        self.window_peak_active.store(ac, Relaxed);
+        ac
     }
 
     /// Resets every peak to the current value.

@@ -129,6 +129,9 @@ fn replay_once(trace: &Trace, opts: &ReplayOptions, samples: usize) -> Result<Re
     let rt = Runtime::builder()
         .backend(BackendKind::Sim(sim))
         .config(opts.config.clone())
+        // Replays are deterministic: no background harvesting at times
+        // that vary from run to run.
+        .maintenance(false)
         .build()?;
     let pool = rt.device(0)?;
     let mut stream_ids: Vec<u64> = trace.events.iter().map(TraceEvent::stream).collect();

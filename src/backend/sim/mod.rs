@@ -496,6 +496,26 @@ impl Executor for Shared {
             }
             return self.fault(device);
         }
+        if let KernelOp::Axpy { src, alpha } = *op {
+            let overlap = src < ptr + len && ptr < src + len;
+            if overlap || len % 4 != 0 || mem.check_access(src, len).is_err() {
+                return self.fault(device);
+            }
+            // SAFETY: both ranges are mapped (checked above) and stay so
+            // under the lock, and they do not overlap.
+            let (d, s) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(ptr as *mut u8, len as usize),
+                    std::slice::from_raw_parts(src as *const u8, len as usize),
+                )
+            };
+            for (d, s) in d.chunks_exact_mut(4).zip(s.chunks_exact(4)) {
+                let v = u32::from_le_bytes([d[0], d[1], d[2], d[3]])
+                    .wrapping_add(alpha.wrapping_mul(u32::from_le_bytes([s[0], s[1], s[2], s[3]])));
+                d.copy_from_slice(&v.to_le_bytes());
+            }
+            return;
+        }
         // SAFETY: the range is mapped and stays mapped while we hold the
         // lock. Other streams may touch it concurrently only if the pool
         // broke stream order, which is what the verify kernel detects.
@@ -509,6 +529,7 @@ impl Executor for Shared {
                     .fetch_add(bad, Relaxed);
                 result.set(bad);
             }
+            KernelOp::Axpy { .. } => unreachable!("handled above"),
         }
     }
 

@@ -91,6 +91,16 @@ pub enum KernelOp {
         /// Where the outcome is reported.
         result: Arc<VerifyResult>,
     },
+    /// `dst[i] += alpha * src[i]` over little-endian `u32` words, modulo
+    /// 2^32, where the range is `dst` (a whole number of words) and `src`
+    /// starts at this address, as long, not overlapping it. Gradient
+    /// accumulation and optimizer updates of the training harness.
+    Axpy {
+        /// Start of the source range.
+        src: u64,
+        /// Multiplier.
+        alpha: u32,
+    },
 }
 
 /// Outcome of a verify kernel, readable by the host once it ran.

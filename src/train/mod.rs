@@ -1,0 +1,415 @@
+//! A data-parallel training harness over a [`Runtime`]: what `gpupool demo`
+//! and `examples/data_parallel.rs` run, and what the harness tests check.
+//!
+//! Every device holds the same weights and gradient buckets (persistent,
+//! allocated from its pool once). One step, on every device in parallel:
+//!
+//! 1. the buckets are zeroed on the compute stream;
+//! 2. for each of `micro_batches` micro-batches: a forward pass allocates
+//!    one activation per layer, sized by the step's batch, on the streams
+//!    in turn (a side stream writes its activation, the compute stream
+//!    waits on an event, takes it with `record_stream`, and on the
+//!    simulator verifies its bytes); a backward pass frees them in reverse
+//!    order while temporary gradients are written by device work
+//!    (deterministic per step, micro-batch, device and bucket) and
+//!    accumulated into the buckets (`u32` axpy);
+//! 3. the buckets are all-reduced across devices ([`crate::collective`]);
+//! 4. the optimizer updates the weights on the device (`w -= g`);
+//! 5. the harness checks that every device holds identical buckets
+//!    (optionally equal to the values the host computes), records memory
+//!    figures, and sleeps `idle_gap` so that the maintenance threads see
+//!    an idle pool (idle release, idle compaction).
+//!
+//! Host syncs of the pool are counted only over the alloc/free phase (2),
+//! where the harness itself makes none: any there belong to the pool.
+
+mod kernels;
+mod report;
+
+pub use kernels::{for_backend as kernels_for, Kernels};
+pub use report::{DeviceReport, PhaseReport, Sample, TrainReport};
+
+use crate::collective::{self, AllReduce, ReduceBuf};
+use crate::error::{Error, Result};
+use crate::pool::{Block, DevicePool, Stream};
+use crate::runtime::Runtime;
+use rayon::prelude::*;
+use std::time::{Duration, Instant};
+
+/// What the harness runs.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// Batch size of each step; the length is the number of steps.
+    pub batches: Vec<usize>,
+    /// Layers of the model (activations per micro-batch).
+    pub layers: usize,
+    /// Bytes of one layer's activation per sample (times 1 to 3 by layer).
+    pub activation_bytes: usize,
+    /// Gradient buckets (and weight tensors) per device.
+    pub buckets: usize,
+    /// Bytes of one bucket (a multiple of 8).
+    pub bucket_bytes: usize,
+    /// Micro-batches accumulated into the buckets before each all-reduce.
+    pub micro_batches: usize,
+    /// Streams per device: one compute stream and `streams - 1` side
+    /// streams (at least 1).
+    pub streams: usize,
+    /// Host sleep after each step, for the maintenance threads' idle work.
+    pub idle_gap: Duration,
+    /// Also compare every bucket with the sums the host computes.
+    pub verify: bool,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            batches: vec![32; 6],
+            layers: 8,
+            activation_bytes: 16 << 10,
+            buckets: 4,
+            bucket_bytes: 256 << 10,
+            micro_batches: 2,
+            streams: 3,
+            idle_gap: Duration::from_millis(30),
+            verify: true,
+        }
+    }
+}
+
+impl TrainOptions {
+    /// Batch sizes from `(batch, steps)` phases, e.g. `[(32, 3), (64, 3),
+    /// (16, 3)]`.
+    pub fn schedule(phases: &[(usize, usize)]) -> Vec<usize> {
+        phases
+            .iter()
+            .flat_map(|&(b, n)| std::iter::repeat_n(b, n))
+            .collect()
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |m: &str| Err(Error::InvalidArgument(format!("training options: {m}")));
+        if self.batches.is_empty() || self.batches.contains(&0) {
+            return bad("at least one step, every batch size positive");
+        }
+        if self.layers == 0 || self.activation_bytes == 0 || self.buckets == 0 {
+            return bad("layers, activation_bytes and buckets must be positive");
+        }
+        if self.bucket_bytes == 0 || self.bucket_bytes % 8 != 0 {
+            return bad("bucket_bytes must be a positive multiple of 8");
+        }
+        if self.micro_batches == 0 || self.streams == 0 {
+            return bad("micro_batches and streams must be positive");
+        }
+        Ok(())
+    }
+
+    /// Bytes of layer `l`'s activation at `batch`.
+    fn activation(&self, l: usize, batch: usize) -> usize {
+        self.activation_bytes * batch * (1 + l % 3)
+    }
+}
+
+/// The gradient seed of one (step, micro-batch, device, bucket).
+pub fn gradient_seed(step: usize, micro: usize, dev: usize, bucket: usize) -> u64 {
+    let mut z = (step as u64) << 40 ^ (micro as u64) << 24 ^ (dev as u64) << 12 ^ bucket as u64;
+    z = z.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z ^ (z >> 29) ^ 0x5EED
+}
+
+/// Adds the `u32` words of the pattern of `seed` into `acc`.
+fn add_pattern(acc: &mut [u32], seed: u64, scratch: &mut [u8]) {
+    crate::backend::sim::fill_pattern(scratch, seed);
+    for (a, w) in acc.iter_mut().zip(scratch.chunks_exact(4)) {
+        *a = a.wrapping_add(u32::from_le_bytes([w[0], w[1], w[2], w[3]]));
+    }
+}
+
+/// One device's persistent state.
+struct Device<'a> {
+    pool: &'a DevicePool,
+    streams: &'a [Stream],
+    weights: Vec<Block<'a>>,
+    buckets: Vec<Block<'a>>,
+    /// Side streams' events, for the compute stream to wait on.
+    events: Vec<crate::ptr::EventHandle>,
+    report: DeviceReport,
+    t0: Instant,
+}
+
+impl<'a> Device<'a> {
+    fn new(
+        pool: &'a DevicePool,
+        streams: &'a [Stream],
+        o: &TrainOptions,
+        t0: Instant,
+    ) -> Result<Self> {
+        let c = &streams[0];
+        let be = pool.backend();
+        let mut weights = Vec::new();
+        let mut buckets = Vec::new();
+        for _ in 0..o.buckets {
+            weights.push(pool.alloc(o.bucket_bytes, c)?);
+            buckets.push(pool.alloc(o.bucket_bytes, c)?);
+        }
+        let events = streams[1..]
+            .iter()
+            .map(|_| be.create_event(pool.device()))
+            .collect::<Result<_>>()?;
+        Ok(Device {
+            pool,
+            streams,
+            weights,
+            buckets,
+            events,
+            report: DeviceReport::new(pool.device()),
+            t0,
+        })
+    }
+
+    fn sample(&mut self) {
+        let s = self.pool.stats();
+        self.report.samples.push(Sample {
+            t_ms: self.t0.elapsed().as_secs_f64() * 1e3,
+            live_bytes: s.allocated_bytes.current,
+            reserved_bytes: s.reserved_bytes.current,
+        });
+    }
+
+    /// Phase 2 of a step (see the module docs): allocations and frees.
+    fn forward_backward(&mut self, k: &dyn Kernels, o: &TrainOptions, step: usize) -> Result<()> {
+        let (pool, dev) = (self.pool, self.pool.device());
+        let be = pool.backend().clone();
+        let c = &self.streams[0];
+        let sim = be
+            .as_any()
+            .downcast_ref::<crate::backend::sim::SimBackend>();
+        let batch = o.batches[step];
+        for b in &self.buckets {
+            be.enqueue_fill(dev, c.handle(), b.ptr(), o.bucket_bytes as u64, 0)?;
+        }
+        for micro in 0..o.micro_batches {
+            let mut acts: Vec<Block<'_>> = Vec::with_capacity(o.layers);
+            for l in 0..o.layers {
+                let si = l % self.streams.len();
+                let s = &self.streams[si];
+                let a = pool.alloc(o.activation(l, batch), s)?;
+                let len = (a.size() as u64) & !7;
+                let seed = gradient_seed(step, micro, dev, 1000 + l);
+                k.pattern(dev, s.handle(), a.ptr(), len, seed)?;
+                if si > 0 {
+                    // The compute stream consumes the side stream's output.
+                    let ev = self.events[si - 1];
+                    be.record_event(dev, ev, s.handle())?;
+                    be.stream_wait_event(dev, c.handle(), ev)?;
+                    a.record_stream(c);
+                    if let Some(sim) = sim {
+                        let r = sim.launch_verify_pattern(
+                            dev,
+                            c.handle(),
+                            a.ptr(),
+                            len,
+                            seed,
+                            Duration::ZERO,
+                        )?;
+                        self.report.verifies.push(r);
+                    }
+                }
+                acts.push(a);
+            }
+            self.sample();
+            let per_bucket = o.layers.div_ceil(o.buckets).max(1);
+            let mut next_bucket = o.buckets;
+            while let Some(a) = acts.pop() {
+                let l = acts.len();
+                drop(a);
+                // Buckets fill from the last layers back, as in DDP.
+                while next_bucket > 0 && l <= (next_bucket - 1) * per_bucket {
+                    next_bucket -= 1;
+                    let i = next_bucket;
+                    let tmp = pool.alloc(o.bucket_bytes, c)?;
+                    let seed = gradient_seed(step, micro, dev, i);
+                    k.pattern(dev, c.handle(), tmp.ptr(), o.bucket_bytes as u64, seed)?;
+                    let dst = self.buckets[i].ptr();
+                    k.axpy(dev, c.handle(), dst, tmp.ptr(), o.bucket_bytes as u64, 1)?;
+                }
+            }
+            self.sample();
+        }
+        Ok(())
+    }
+
+    /// Phase 4: `w -= g` on the device.
+    fn optimizer(&self, k: &dyn Kernels, o: &TrainOptions) -> Result<()> {
+        let (dev, c) = (self.pool.device(), self.streams[0].handle());
+        for (w, g) in self.weights.iter().zip(&self.buckets) {
+            k.axpy(dev, c, w.ptr(), g.ptr(), o.bucket_bytes as u64, u32::MAX)?;
+        }
+        Ok(())
+    }
+
+    /// The buckets' bytes, after the compute stream's work (host sync,
+    /// counted as the harness's own).
+    fn read(&self, bufs: &[Block<'_>], o: &TrainOptions) -> Result<Vec<u8>> {
+        let be = self.pool.backend();
+        let dev = self.pool.device();
+        be.sync_stream(dev, self.streams[0].handle())?;
+        let mut out = vec![0u8; bufs.len() * o.bucket_bytes];
+        for (b, chunk) in bufs.iter().zip(out.chunks_mut(o.bucket_bytes)) {
+            be.copy_to_host(dev, b.ptr(), chunk)?;
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for Device<'_> {
+    fn drop(&mut self) {
+        for &e in &self.events {
+            let _ = self.pool.backend().destroy_event(self.pool.device(), e);
+        }
+    }
+}
+
+/// The sums every bucket must hold after step `step`'s all-reduce.
+fn expected_buckets(o: &TrainOptions, step: usize, devices: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(o.buckets * o.bucket_bytes);
+    let mut scratch = vec![0u8; o.bucket_bytes];
+    for i in 0..o.buckets {
+        let mut acc = vec![0u32; o.bucket_bytes / 4];
+        for dev in 0..devices {
+            for m in 0..o.micro_batches {
+                add_pattern(&mut acc, gradient_seed(step, m, dev, i), &mut scratch);
+            }
+        }
+        out.extend(acc.iter().flat_map(|w| w.to_le_bytes()));
+    }
+    out
+}
+
+/// Runs the harness on every device of `rt`.
+pub fn run(rt: &Runtime, o: &TrainOptions) -> Result<TrainReport> {
+    o.check()?;
+    let kernels = kernels::for_backend(rt.backend())?;
+    let coll = collective::for_runtime(rt)?;
+    run_with(rt, o, &*kernels, &*coll)
+}
+
+/// [`run`] with given kernels and collective.
+pub fn run_with(
+    rt: &Runtime,
+    o: &TrainOptions,
+    k: &dyn Kernels,
+    coll: &dyn AllReduce,
+) -> Result<TrainReport> {
+    o.check()?;
+    let t0 = Instant::now();
+    let streams: Vec<Vec<Stream>> = rt
+        .devices()
+        .iter()
+        .map(|p| (0..o.streams).map(|_| p.new_stream()).collect())
+        .collect::<Result<_>>()?;
+    let mut devs: Vec<Device<'_>> = rt
+        .devices()
+        .iter()
+        .zip(&streams)
+        .map(|(p, s)| Device::new(p, s, o, t0))
+        .collect::<Result<_>>()?;
+    for d in &devs {
+        let dev = d.pool.device();
+        for w in &d.weights {
+            k.pattern(
+                dev,
+                d.streams[0].handle(),
+                w.ptr(),
+                o.bucket_bytes as u64,
+                0x3E1,
+            )?;
+        }
+        for b in &d.buckets {
+            coll.register(dev, b.ptr(), o.bucket_bytes as u64)?;
+        }
+    }
+    let mut gradients_match = true;
+    let mut gradients_expected = o.verify.then_some(true);
+    for step in 0..o.batches.len() {
+        let ts = Instant::now();
+        devs.par_iter_mut().try_for_each(|d| {
+            let counters = || d.pool.backend().counters().host_syncs_of(d.pool.device());
+            let before = counters();
+            d.sample();
+            let r = d.forward_backward(k, o, step);
+            d.report.host_syncs_on_alloc_path += counters() - before;
+            r
+        })?;
+        for i in 0..o.buckets {
+            let bufs: Vec<ReduceBuf> = devs
+                .iter()
+                .map(|d| ReduceBuf {
+                    device: d.pool.device(),
+                    stream: d.streams[0].handle(),
+                    ptr: d.buckets[i].ptr(),
+                    bytes: o.bucket_bytes as u64,
+                })
+                .collect();
+            coll.all_reduce(&bufs)?;
+        }
+        let grads: Vec<Vec<u8>> = devs
+            .par_iter()
+            .map(|d| d.read(&d.buckets, o))
+            .collect::<Result<_>>()?;
+        devs.par_iter().try_for_each(|d| d.optimizer(k, o))?;
+        let same = grads.windows(2).all(|w| w[0] == w[1]);
+        gradients_match &= same;
+        if o.verify {
+            let want = expected_buckets(o, step, devs.len());
+            let ok = grads.iter().all(|g| *g == want);
+            gradients_expected = Some(gradients_expected.unwrap_or(true) && ok);
+        }
+        let secs = ts.elapsed().as_secs_f64();
+        for d in &mut devs {
+            d.report.step_seconds.push(secs);
+            d.report
+                .reserved_after_step
+                .push(d.pool.stats().reserved_bytes.current);
+            d.sample();
+        }
+        if !o.idle_gap.is_zero() {
+            std::thread::sleep(o.idle_gap);
+        }
+        for d in &mut devs {
+            d.report
+                .reserved_after_idle
+                .push(d.pool.stats().reserved_bytes.current);
+            d.sample();
+        }
+    }
+    let weights: Vec<Vec<u8>> = devs
+        .iter()
+        .map(|d| d.read(&d.weights, o))
+        .collect::<Result<_>>()?;
+    let weights_match = weights.windows(2).all(|w| w[0] == w[1]);
+    let maint = rt.maintenance_stats();
+    let devices = devs
+        .into_iter()
+        .map(|mut d| {
+            let st = d.pool.stats();
+            let m = maint.iter().find(|m| m.device == d.pool.device()).cloned();
+            let dev = d.pool.device();
+            let report = std::mem::replace(&mut d.report, DeviceReport::new(dev));
+            let mut r = report.finish(o, &st, m);
+            drop(d);
+            r.integrity_errors = r.verifies.iter().map(|v| v.wait()).sum();
+            r.verifies.clear();
+            r
+        })
+        .collect();
+    Ok(TrainReport::new(
+        rt,
+        o,
+        coll.name(),
+        devices,
+        gradients_match,
+        gradients_expected,
+        weights_match,
+        t0.elapsed().as_secs_f64(),
+    ))
+}
