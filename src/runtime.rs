@@ -1,11 +1,28 @@
 //! The runtime: one independent [`DevicePool`] per device of a backend.
 //!
-//! Besides the pools, a runtime owns one maintenance thread per device
-//! ([`maint`]: harvesting, idle work, the idle release policy; bound next
-//! to the device with the `hwloc` feature), enables peer access between
-//! pools where the backend allows it ([`PeerMatrix`]), and runs per-device
-//! work in parallel with rayon: construction, [`Runtime::warm_up`] and
-//! [`Runtime::trim`].
+//! Besides the pools, a runtime owns one maintenance thread per device,
+//! enables peer access between pools where the backend allows it
+//! ([`PeerMatrix`]), and runs per-device work in parallel with rayon:
+//! construction, [`Runtime::warm_up`] and [`Runtime::trim`].
+//!
+//! **Maintenance threads** (`gpupool-maint-<dev>`, on unless
+//! [`RuntimeBuilder::maintenance`] turns them off or `maint_ms=0`): every
+//! tick (5 ms by default) each calls [`DevicePool::maintain`] (harvest
+//! completed frees without blocking, idle clock, idle work), applies the
+//! idle release policy, then sleeps (`park_timeout`; shutdown unparks and
+//! joins it). With the `hwloc` feature a thread binds itself to the CPUs
+//! nearest its device; without it, it stays unbound and says why
+//! ([`ThreadBinding`]). [`Runtime::maintenance_stats`] tells what they did.
+//!
+//! **Idle release policy** (`idle_release_ms`, `release_fraction`; off by
+//! default). Once a pool has been idle for `idle_release_ms`, its thread
+//! takes the peak of active bytes of the busy period that just ended
+//! ([`DevicePool::take_window_peak`]) and, while cached bytes exceed
+//! `release_fraction` (default 2) times that peak, gives cached memory
+//! back without blocking ([`DevicePool::release_cache`]). A pool that needed
+//! about what it holds keeps it (no grow/release churn in a steady loop);
+//! a pool that grew for a large batch and then runs smaller ones gives the
+//! surplus back at its next idle gap, with no call from the user.
 
 mod maint;
 mod peer;

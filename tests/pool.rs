@@ -16,6 +16,9 @@ fn sim_runtime(devices: usize, capacity: u64) -> Runtime {
             capacity_bytes: capacity,
             ..Default::default()
         }))
+        // These tests check harvesting and pending bytes exactly: no
+        // background harvester (tests/maintenance.rs covers it).
+        .maintenance(false)
         .build()
         .unwrap()
 }

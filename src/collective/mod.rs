@@ -69,9 +69,12 @@ pub trait AllReduce: Send + Sync + fmt::Debug {
     /// Registers `[ptr, ptr+bytes)` of `device` with the collective
     /// library for faster transfers (zero-copy); `Ok(false)` where the
     /// implementation or library has no registration. Registrations end
-    /// when the collective is dropped, which must happen before the
-    /// memory is freed.
+    /// at [`AllReduce::deregister_all`] or when the collective is dropped,
+    /// one of which must happen before the memory is freed.
     fn register(&self, device: usize, ptr: DevicePtr, bytes: u64) -> Result<bool>;
+
+    /// Ends every registration made so far.
+    fn deregister_all(&self) {}
 
     /// Host-blocking syncs this collective made so far.
     fn host_syncs(&self) -> u64;

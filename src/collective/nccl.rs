@@ -178,17 +178,20 @@ impl AllReduce for NcclAllReduce {
     fn host_syncs(&self) -> u64 {
         0
     }
+
+    fn deregister_all(&self) {
+        for (rank, h) in std::mem::take(&mut *self.registered.lock()) {
+            let comm = self.comms[rank];
+            // SAFETY: `h` came from ncclCommRegister on this communicator
+            // and is deregistered once (taken out of the list).
+            let _ = catch_unwind(|| unsafe { sys::ncclCommDeregister(comm, h as *mut c_void) });
+        }
+    }
 }
 
 impl Drop for NcclAllReduce {
     fn drop(&mut self) {
-        for (rank, h) in self.registered.get_mut().drain(..) {
-            // SAFETY: `h` came from ncclCommRegister on this communicator
-            // and is deregistered once.
-            let _ = catch_unwind(|| unsafe {
-                sys::ncclCommDeregister(self.comms[rank], h as *mut c_void)
-            });
-        }
+        self.deregister_all();
         for &c in &self.comms {
             // SAFETY: each communicator was created by ncclCommInitAll and
             // is destroyed once; NCCL waits for its operations in flight.

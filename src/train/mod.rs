@@ -387,6 +387,8 @@ pub fn run_with(
         .map(|d| d.read(&d.weights, o))
         .collect::<Result<_>>()?;
     let weights_match = weights.windows(2).all(|w| w[0] == w[1]);
+    // The buckets are freed below: end their registrations first.
+    coll.deregister_all();
     let maint = rt.maintenance_stats();
     let devices = devs
         .into_iter()
