@@ -71,6 +71,10 @@ pub(crate) struct DeviceShared {
 /// What a thread measured, merged into the report at the end.
 pub(crate) struct ThreadTotals {
     pub alloc_ns: Histogram<u64>,
+    /// Allocs of the small path (size classes) only.
+    pub small_alloc_ns: Histogram<u64>,
+    /// Allocs of the large path only.
+    pub large_alloc_ns: Histogram<u64>,
     pub free_ns: Histogram<u64>,
     pub allocs: u64,
     pub frees: u64,
@@ -139,6 +143,8 @@ impl<'a> Worker<'a> {
             unpublished: 0,
             totals: ThreadTotals {
                 alloc_ns: new_histogram(),
+                small_alloc_ns: new_histogram(),
+                large_alloc_ns: new_histogram(),
                 free_ns: new_histogram(),
                 allocs: 0,
                 frees: 0,
@@ -194,6 +200,11 @@ impl<'a> Worker<'a> {
             Err(e) => return Err(e),
         };
         self.totals.alloc_ns.saturating_record(ns.max(1));
+        if size <= dev.size_classes().small_max() {
+            self.totals.small_alloc_ns.saturating_record(ns.max(1));
+        } else {
+            self.totals.large_alloc_ns.saturating_record(ns.max(1));
+        }
         self.totals.allocs += 1;
         self.count_op();
         let ptr = match &h {
