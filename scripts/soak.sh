@@ -45,7 +45,7 @@ echo "soak: host syncs on path    $(field host_syncs_on_alloc_path)"
 echo "soak: alloc latency (ns)    p50 $(field p50_ns), p99 $(field p99_ns), p99.9 $(field p999_ns)"
 echo "soak: peak live / reserved  $(field peak_live_bytes) / $(field peak_reserved_bytes) bytes"
 echo "soak: peak RSS              $((rss / 1048576)) MiB"
-echo "soak: reserved flat         $(field reserved_flat)"
+echo "soak: reserved flat         $(field reserved_flat) (reached every device's capacity: $(field reserved_hit_capacity))"
 if [ "$rc" -ne 0 ] || [ "$(field reserved_flat)" = "false" ]; then
     echo "soak: FAIL (exit $rc)"
     exit 1
