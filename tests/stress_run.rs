@@ -42,12 +42,12 @@ fn assert_clean(r: &StressReport) {
     assert!(r.free_p50_ns > 0 && r.free_p50_ns <= r.free_p99_ns);
     assert!(r.peak_live_bytes > 0 && r.peak_live_bytes <= r.peak_reserved_bytes);
     assert!(r.peak_rss_bytes > 0);
-    // Sampled from t = 0 on. On a loaded machine a sample can wait a long
+    // Sampled from the start on. On a loaded machine a sample can wait a long
     // time for the pool's heap lock (held across simulator calls that wait
     // for running kernels), so fewer samples than planned may be taken; the
     // verdict needs four.
     assert!(!r.memory_series.is_empty());
-    assert_eq!(r.memory_series[0].reserved_bytes, 0);
+    assert!(r.memory_series[0].t_secs < 0.2, "{:?}", r.memory_series[0]);
     assert!(r
         .memory_series
         .windows(2)
