@@ -17,6 +17,13 @@
 //! traffic (the harness makes none, so any is the pool's), leaks (live
 //! bytes left after every block is freed, reserved bytes left after trim),
 //! pool audits, peak RSS, and reserved/live bytes sampled over time.
+//!
+//! With `verify`, large-path latencies also include waits on the
+//! simulator's per-device memory lock: creating, mapping or unmapping a
+//! chunk takes it exclusively, and simulated kernels hold it shared for
+//! their whole pass over a block (milliseconds for the large ones). That is
+//! a cost of the simulator, not a host sync; runs without `verify` show the
+//! pool's own cost.
 
 pub mod report;
 mod serving;
@@ -257,26 +264,27 @@ fn watch(
         if elapsed >= opts.duration || stop.load(Relaxed) {
             break;
         }
-        let (mut reserved, mut live) = (0, 0);
+        let mut m = MemorySample {
+            t_secs: elapsed.as_secs_f64(),
+            ..Default::default()
+        };
         for dev in rt.devices() {
             dev.maintain();
             let st = dev.stats();
-            reserved += st.reserved_bytes.current;
-            live += st.allocated_bytes.current;
+            m.reserved_bytes += st.reserved_bytes.current;
+            m.live_bytes += st.allocated_bytes.current;
+            m.cached_bytes += st.cached_bytes.current;
+            m.pending_bytes += st.pending_bytes.current;
         }
         if elapsed >= next_sample {
-            series.push(MemorySample {
-                t_secs: elapsed.as_secs_f64(),
-                reserved_bytes: reserved,
-                live_bytes: live,
-            });
+            series.push(m);
             next_sample += opts.sample_every;
         }
         progress(&Progress {
             elapsed,
             duration: opts.duration,
             ops: shared.iter().map(|s| s.ops.load(Relaxed)).sum(),
-            reserved_bytes: reserved,
+            reserved_bytes: m.reserved_bytes,
             integrity_errors: (0..opts.devices).map(|d| sim.integrity_errors(d)).sum(),
         });
         std::thread::sleep(tick.min(opts.duration.saturating_sub(start.elapsed())));
@@ -364,6 +372,8 @@ fn build_report(
         ..Default::default()
     };
     let mut alloc_ns = worker::new_histogram();
+    let mut small_ns = worker::new_histogram();
+    let mut large_ns = worker::new_histogram();
     let mut free_ns = worker::new_histogram();
     for (d, dev) in rt.devices().iter().enumerate() {
         let st = dev.stats();
@@ -382,6 +392,8 @@ fn build_report(
         };
         for t in &totals[d] {
             alloc_ns.add(&t.alloc_ns).map_err(hist_err)?;
+            small_ns.add(&t.small_alloc_ns).map_err(hist_err)?;
+            large_ns.add(&t.large_alloc_ns).map_err(hist_err)?;
             free_ns.add(&t.free_ns).map_err(hist_err)?;
             dr.ops += t.allocs + t.frees;
             dr.ooms += t.ooms;
@@ -417,10 +429,18 @@ fn build_report(
     r.p99_ns = alloc_ns.value_at_quantile(0.99);
     r.p999_ns = alloc_ns.value_at_quantile(0.999);
     r.max_ns = alloc_ns.max();
+    r.small_p50_ns = small_ns.value_at_quantile(0.50);
+    r.small_p99_ns = small_ns.value_at_quantile(0.99);
+    r.large_p50_ns = large_ns.value_at_quantile(0.50);
+    r.large_p99_ns = large_ns.value_at_quantile(0.99);
     r.free_p50_ns = free_ns.value_at_quantile(0.50);
     r.free_p99_ns = free_ns.value_at_quantile(0.99);
     r.peak_rss_bytes = peak_rss_bytes();
     r.reserved_flat = report::reserved_flat(&memory_series);
+    r.reserved_hit_capacity = r
+        .per_device
+        .iter()
+        .all(|d| d.peak_reserved_bytes >= opts.capacity_bytes);
     r.memory_series = memory_series;
     Ok(r)
 }

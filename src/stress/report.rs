@@ -16,6 +16,10 @@ pub struct MemorySample {
     pub reserved_bytes: u64,
     /// Requested bytes of live blocks on all devices.
     pub live_bytes: u64,
+    /// Reserved bytes free for reuse now, all devices.
+    pub cached_bytes: u64,
+    /// Freed bytes waiting for their last use to complete, all devices.
+    pub pending_bytes: u64,
 }
 
 /// Figures of one device.
@@ -105,6 +109,15 @@ pub struct StressReport {
     pub p999_ns: u64,
     /// Slowest alloc.
     pub max_ns: u64,
+    /// Median alloc latency of the small path (requests up to the largest
+    /// size class).
+    pub small_p50_ns: u64,
+    /// 99th percentile alloc latency of the small path.
+    pub small_p99_ns: u64,
+    /// Median alloc latency of the large path.
+    pub large_p50_ns: u64,
+    /// 99th percentile alloc latency of the large path.
+    pub large_p99_ns: u64,
     /// Median free latency (drop or `free_raw`).
     pub free_p50_ns: u64,
     /// 99th percentile free latency.
@@ -128,6 +141,10 @@ pub struct StressReport {
     /// most [`FLAT_TOLERANCE`] above the first half's. `null` with fewer
     /// than four samples.
     pub reserved_flat: Option<bool>,
+    /// Whether reserved memory reached the capacity of every device at
+    /// some point (then a flat series may only mean the pools were full;
+    /// `ooms` tells whether that hurt).
+    pub reserved_hit_capacity: bool,
     /// Per-device figures.
     pub per_device: Vec<DeviceStress>,
 }
@@ -198,6 +215,11 @@ impl fmt::Display for StressReport {
         )?;
         writeln!(
             f,
+            "    small / large   p50 {} / {} ns, p99 {} / {} ns",
+            self.small_p50_ns, self.large_p50_ns, self.small_p99_ns, self.large_p99_ns
+        )?;
+        writeln!(
+            f,
             "  free latency      p50 {} ns, p99 {} ns",
             self.free_p50_ns, self.free_p99_ns
         )?;
@@ -231,8 +253,13 @@ impl fmt::Display for StressReport {
         };
         writeln!(
             f,
-            "  reserved flat     {flat} ({} samples)",
-            self.memory_series.len()
+            "  reserved flat     {flat} ({} samples{})",
+            self.memory_series.len(),
+            if self.reserved_hit_capacity {
+                "; reserved reached every device's capacity"
+            } else {
+                ""
+            }
         )?;
         writeln!(
             f,
@@ -293,6 +320,7 @@ mod tests {
                 t_secs: i as f64,
                 reserved_bytes: r,
                 live_bytes: r / 2,
+                ..Default::default()
             })
             .collect()
     }
