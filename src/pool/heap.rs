@@ -397,6 +397,46 @@ impl Heap {
         .ok()
     }
 
+    /// Free bytes tagged dirty on stream slots other than `slot`.
+    pub(crate) fn dirty_elsewhere(&self, slot: Option<u16>) -> u64 {
+        self.by_tag
+            .iter()
+            .filter(|(t, _)| matches!(t, Tag::Dirty(s) if Some(*s) != slot))
+            .map(|(_, set)| set.iter().map(|r| r.0).sum::<u64>())
+            .sum()
+    }
+
+    /// Takes `len` bytes at `align` from the best-fitting pending range
+    /// that needs no new physical memory, for a stream that will wait on
+    /// the range's group ([`Taken::waits`]) instead of the host; only
+    /// groups `usable` accepts are considered. `None` if no pending range
+    /// fits that way. Called before the pool grows, so
+    /// that memory freed across streams is reused, not duplicated.
+    pub(crate) fn alloc_pending_backed(
+        &mut self,
+        len: u64,
+        align: u64,
+        slot: Option<u16>,
+        usable: impl Fn(u32) -> bool,
+    ) -> Option<Result<Taken>> {
+        let (rlen, raddr) = self
+            .by_tag
+            .iter()
+            .filter(|(t, _)| matches!(t, Tag::Pending(id) if usable(*id)))
+            .filter_map(|(_, set)| {
+                set.range((len, 0)..)
+                    .find(|r| align_up(r.1, align) + len <= r.1 + r.0)
+                    .copied()
+            })
+            .filter(|&(_, raddr)| self.unbacked(align_up(raddr, align), len) == 0)
+            .min()?;
+        let ctx = StealCtx {
+            slot,
+            pending_ok: true,
+        };
+        Some(self.take(raddr, rlen, align_up(raddr, align), len, ctx))
+    }
+
     /// Granules of `[start, start+len)` with no physical memory (0 in
     /// segment mode, where free memory is always backed).
     fn unbacked(&self, start: u64, len: u64) -> u64 {

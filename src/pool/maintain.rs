@@ -19,6 +19,9 @@ pub struct MaintainReport {
     /// successive `maintain` calls (zero when there was traffic since the
     /// last call).
     pub idle_for: Duration,
+    /// Whether this step flushed the streams' dirty memory (it does after
+    /// the pool grew; see `flush_streams_if_grown`).
+    pub flushed: bool,
 }
 
 /// Traffic seen by the previous `maintain` call.
@@ -43,6 +46,7 @@ impl DevicePool {
     /// background thread per pool; calls from several threads are safe but
     /// share one idle clock.
     pub fn maintain(&self) -> MaintainReport {
+        let flushed = self.shared.flush_streams_if_grown();
         let harvested = self.shared.harvest();
         let s = self.shared.stats();
         let ops = s.num_allocs + s.num_frees;
@@ -55,6 +59,7 @@ impl DevicePool {
         MaintainReport {
             harvested,
             idle_for: now - idle.since,
+            flushed,
         }
     }
 }

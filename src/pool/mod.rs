@@ -106,6 +106,10 @@ pub(crate) struct PoolShared {
     recording: AtomicBool,
     history: Mutex<History>,
     shut: AtomicBool,
+    /// Set when the pool grew: the next maintenance step flushes every
+    /// stream's dirty memory, so that memory one stream freed becomes
+    /// reusable by the others instead of each stream growing its own cache.
+    flush_wanted: AtomicBool,
     /// Idle clock of the maintenance step.
     idle: Mutex<maintain::IdleState>,
     /// Held by the runtime's maintenance thread during a tick and by
@@ -177,6 +181,7 @@ impl DevicePool {
             recording: AtomicBool::new(false),
             history: Mutex::new(History::default()),
             shut: AtomicBool::new(false),
+            flush_wanted: AtomicBool::new(false),
             idle: Mutex::new(maintain::IdleState::default()),
             maint_gate: Mutex::new(()),
             backend,
@@ -537,6 +542,47 @@ impl PoolShared {
                 return Ok(t.addr);
             }
             Self::unpark(&mut h);
+            if self.pending.is_empty() {
+                match self.heap_alloc(&mut h, len, ALIGN, stream, false) {
+                    Ok(t) => {
+                        h.large.insert(t.addr, live);
+                        return Ok(t.addr);
+                    }
+                    Err(e) if !e.is_oom() => return Err(e),
+                    Err(_) => {}
+                }
+            }
+        }
+        let dirty_elsewhere = {
+            let h = self.heap.lock();
+            h.heap.dirty_elsewhere(stream.slot()) + h.exact.bytes
+        };
+        if dirty_elsewhere >= len {
+            // Other streams hold enough freed memory: flush it (one event
+            // per stream, no host wait) instead of growing; the handover
+            // below orders this stream after those events.
+            self.reclaim();
+        }
+        if !self.pending.is_empty() {
+            // Before growing: reuse what other streams freed. Harvest
+            // completed frees (non-blocking), then take memory already
+            // backed, pending memory included by handover, and only then
+            // grow. Without this, cross-stream frees pile up between
+            // maintenance ticks and every stream grows its own cache.
+            self.harvest();
+            let mut h = self.heap.lock();
+            if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
+                h.large.insert(t.addr, live);
+                return Ok(t.addr);
+            }
+            match self.handover_backed(&mut h, len, ALIGN, stream) {
+                Some(Ok(t)) => {
+                    h.large.insert(t.addr, live);
+                    return Ok(t.addr);
+                }
+                Some(Err(e)) if !e.is_oom() => return Err(e),
+                _ => {}
+            }
             match self.heap_alloc(&mut h, len, ALIGN, stream, false) {
                 Ok(t) => {
                     h.large.insert(t.addr, live);
@@ -590,10 +636,47 @@ impl PoolShared {
         let r = h.heap.alloc(len, align, stream.slot(), pending_ok);
         if h.heap.device_allocs != device_allocs {
             self.counters.grown.fetch_add(1, Relaxed);
+            self.flush_wanted.store(true, Relaxed);
             self.counters
                 .peak_reserved
                 .fetch_max(h.heap.reserved(), Relaxed);
         }
+        self.finish_taken(h, r, stream)
+    }
+
+    /// Memory the heap already backs, from a pending range handed over:
+    /// the stream waits on the range's events on the device (see
+    /// `finish_taken`). `None` when handover is off or nothing fits.
+    fn handover_backed(
+        &self,
+        h: &mut HeapState,
+        len: u64,
+        align: u64,
+        stream: &Stream,
+    ) -> Option<Result<heap::Taken>> {
+        if !self.cfg.handover {
+            return None;
+        }
+        // Groups with a stream whose event could not be recorded cannot be
+        // waited on: only trim releases them.
+        let events = &h.group_events;
+        let r = h
+            .heap
+            .alloc_pending_backed(len, align, stream.slot(), |id| {
+                events.get(&id).is_some_and(|w| w.unrecorded.is_empty())
+            })?;
+        Some(self.finish_taken(h, r, stream))
+    }
+
+    /// The side effects of a heap allocation: the stream waits on any
+    /// pending groups it takes memory from, and granules aliased by
+    /// stitching get an event on the stream.
+    fn finish_taken(
+        &self,
+        h: &mut HeapState,
+        r: Result<heap::Taken>,
+        stream: &Stream,
+    ) -> Result<heap::Taken> {
         // Order the stream after every pending group it takes memory from
         // (its range's own, and those of aliased granules) *before* the
         // quarantine event is recorded on it: that event then completes only

@@ -180,6 +180,24 @@ impl PoolShared {
         }
     }
 
+    /// If the pool grew since the last call, flushes every stream's dirty
+    /// memory (without blocking: each flush records one event), so that
+    /// the next harvest makes it clean for every stream. Returns whether it
+    /// flushed. Called by the maintenance step: without it, memory freed on
+    /// one stream is only reusable by the others after an out-of-memory
+    /// retry, and each stream's cache grows until the device is full.
+    pub(super) fn flush_streams_if_grown(&self) -> bool {
+        if !self.flush_wanted.swap(false, Relaxed) {
+            return false;
+        }
+        for slot in 0..STREAM_SLOTS {
+            if let Some(h) = self.streams.handle(slot) {
+                self.flush_slot(slot, h);
+            }
+        }
+        true
+    }
+
     /// Makes free memory reusable across streams and classes: flushes every
     /// stream's dirty memory (the requester gets its own back by handover),
     /// harvests, and retires empty slabs.
@@ -235,6 +253,9 @@ impl PoolShared {
 
     pub(super) fn trim(&self) -> Result<u64> {
         self.check_live()?;
+        // No maintenance step in between: one that flushed streams after
+        // the flush below would leave pending memory behind.
+        let _gate = self.maint_gate.lock();
         super::magazine::flush_for(self);
         for slot in 0..STREAM_SLOTS {
             if let Some(h) = self.streams.handle(slot) {
