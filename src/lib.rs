@@ -10,6 +10,7 @@
 
 pub mod backend;
 pub mod bench;
+pub mod compact;
 pub mod config;
 pub mod demo;
 mod error;
@@ -22,6 +23,7 @@ pub mod topology;
 pub mod trace;
 
 pub use backend::{Backend, DeviceInfo, Move};
+pub use compact::{CompactOptions, CompactReport, MovableBlock, Pinned};
 pub use config::{BackendKind, PoolConfig, SimConfig};
 pub use error::{Error, OomReport, Result};
 pub use pool::{Block, DevicePool, PoolStats, Stat, Stream};

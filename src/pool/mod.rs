@@ -20,6 +20,7 @@
 //! with `cuStreamWaitEvent`.
 
 mod block;
+mod compact_hooks;
 mod exact;
 mod fenwick;
 mod heap;
@@ -106,6 +107,8 @@ pub(crate) struct PoolShared {
     shut: AtomicBool,
     /// Idle clock of the maintenance step.
     idle: Mutex<maintain::IdleState>,
+    /// Movable blocks and compaction (`src/compact/`).
+    movable: crate::compact::Arena,
 }
 
 /// Recorded allocation events.
@@ -173,6 +176,7 @@ impl DevicePool {
             history: Mutex::new(History::default()),
             shut: AtomicBool::new(false),
             idle: Mutex::new(maintain::IdleState::default()),
+            movable: crate::compact::Arena::new(gran.max(2 << 20).next_power_of_two()),
             backend,
             cfg,
             info,
@@ -892,7 +896,9 @@ impl PoolShared {
                 h.heap.device_frees,
             )
         };
-        let pending = heap_pending + self.counters.pending_slot_bytes.load(Relaxed);
+        let pending = heap_pending
+            + self.counters.pending_slot_bytes.load(Relaxed)
+            + self.movable.held_bytes();
         let cached = reserved.saturating_sub(active + pending + overhead);
         let c = &self.counters;
         c.sample_peaks();
@@ -935,6 +941,7 @@ impl Drop for PoolShared {
     fn drop(&mut self) {
         // Every stream of this pool is gone (they hold the Arc). Wait for
         // pending work, then give everything back.
+        self.movable.teardown(self);
         let _ = self.sync_pending();
         let mut h = self.heap.lock();
         h.heap.teardown();

@@ -1,0 +1,473 @@
+//! Compaction: movable blocks, pins, passes (on demand and idle-time), and
+//! the fragmentation workload, on the simulator with delayed pattern
+//! kernels checking every byte.
+
+use gpupool::backend::sim::SimBackend;
+use gpupool::compact::fragment::{self, FragmentOptions};
+use gpupool::compact::CompactTotals;
+use gpupool::{CompactOptions, DevicePool, Error, MovableBlock, PoolConfig, SimConfig, Stream};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const KIB: usize = 1 << 10;
+
+fn pool_with(cfg: PoolConfig, sim: SimConfig) -> DevicePool {
+    let be = Arc::new(SimBackend::new(sim).unwrap());
+    DevicePool::new(be, 0, cfg).unwrap()
+}
+
+fn pool() -> DevicePool {
+    pool_with(PoolConfig::default(), SimConfig::default())
+}
+
+fn sim(pool: &DevicePool) -> &SimBackend {
+    pool.backend().as_any().downcast_ref().unwrap()
+}
+
+/// Pins `b` on `s` and enqueues a delayed write (or verify) of `seed`.
+fn touch(pool: &DevicePool, b: &MovableBlock<'_>, s: &Stream, seed: u64, write: bool) -> u64 {
+    let p = b.pin(s);
+    let d = Duration::from_micros(seed % 300);
+    let (dev, h, len) = (pool.device(), s.handle(), b.size() as u64);
+    if write {
+        sim(pool)
+            .launch_write_pattern(dev, h, p.ptr(), len, seed, d)
+            .unwrap();
+    } else {
+        sim(pool)
+            .launch_verify_pattern(dev, h, p.ptr(), len, seed, d)
+            .unwrap();
+    }
+    p.ptr().addr()
+}
+
+fn sync(pool: &DevicePool, s: &Stream) {
+    pool.backend()
+        .sync_stream(pool.device(), s.handle())
+        .unwrap();
+}
+
+/// Sizes that fragment: deterministic, 1..=96 KiB, not multiples of 256.
+fn size_of(i: usize) -> usize {
+    (i * 7919 % 96 + 1) * KIB - (i % 5) * 37
+}
+
+/// Allocates `n` written blocks and frees every other one.
+fn fragmented<'a>(pool: &'a DevicePool, s: &'a Stream, n: usize) -> Vec<(MovableBlock<'a>, u64)> {
+    let mut v = Vec::new();
+    for i in 0..n {
+        let b = pool.alloc_movable(size_of(i), s).unwrap();
+        touch(pool, &b, s, 1000 + i as u64, true);
+        if i % 2 == 1 {
+            v.push((b, 1000 + i as u64));
+        }
+    }
+    v
+}
+
+#[test]
+fn movable_blocks_are_accounted_and_bad_input_is_rejected() {
+    let pool = pool();
+    let s = pool.new_stream().unwrap();
+    let b = pool.alloc_movable(64 * KIB, &s).unwrap();
+    assert!(b.is_movable());
+    assert_eq!(b.size(), 64 * KIB);
+    let addr = b.pin(&s).ptr().addr();
+    assert_eq!(addr % 256, 0);
+    let st = pool.audit().unwrap();
+    assert_eq!(st.allocated_bytes.current, 64 << 10);
+    assert_eq!(st.active_bytes.current, 64 << 10);
+    assert!(matches!(
+        pool.alloc_movable(0, &s),
+        Err(Error::InvalidSize { .. })
+    ));
+    let other = pool_with(PoolConfig::default(), SimConfig::default());
+    let foreign = other.new_stream().unwrap();
+    assert!(pool.alloc_movable(4096, &foreign).is_err());
+    assert_eq!(pool.stats().num_allocs, 1);
+    drop(b);
+    let st = pool.audit().unwrap();
+    assert_eq!(st.allocated_bytes.current, 0);
+    // The block was pinned, so its range waited on an event (pending)
+    // before it became cached; trim gives everything back.
+    pool.trim().unwrap();
+    assert_eq!(pool.audit().unwrap().reserved_bytes.current, 0);
+}
+
+#[test]
+fn compaction_preserves_every_byte_and_gives_memory_back() {
+    let pool = pool();
+    let s = pool.new_stream().unwrap();
+    let live = fragmented(&pool, &s, 400);
+    // Let the freed blocks' last uses finish, so their ranges are free.
+    sync(&pool, &s);
+    let before = pool.audit().unwrap();
+    let addrs: Vec<u64> = live.iter().map(|(b, _)| b.pin(&s).ptr().addr()).collect();
+    let r = pool.compact(CompactOptions::default()).unwrap();
+    assert!(r.committed && !r.in_flight, "{r:?}");
+    assert!(r.blocks_moved > 0 && r.regions_released > 0, "{r:?}");
+    assert!(r.bytes_released > 0, "{r:?}");
+    let after = pool.audit().unwrap();
+    assert!(after.reserved_bytes.current < before.reserved_bytes.current);
+    assert_eq!(
+        after.allocated_bytes.current,
+        before.allocated_bytes.current
+    );
+    let moved = live
+        .iter()
+        .zip(&addrs)
+        .filter(|((b, _), &a)| b.pin(&s).ptr().addr() != a)
+        .count() as u64;
+    assert_eq!(moved, r.blocks_moved);
+    for (b, seed) in &live {
+        touch(&pool, b, &s, *seed, false);
+    }
+    sync(&pool, &s);
+    assert_eq!(sim(&pool).integrity_errors(0), 0);
+    assert_eq!(sim(&pool).device_faults(0), 0);
+    // The host waited for the pass (compact is explicit), never on alloc/free.
+    assert_eq!(pool.compact_totals().passes, 1);
+}
+
+#[test]
+fn pinned_raw_and_plain_blocks_never_move() {
+    let pool = pool();
+    let s = pool.new_stream().unwrap();
+    // Plain blocks and raw pointers interleaved with movable ones.
+    let mut plain = Vec::new();
+    let mut raw = Vec::new();
+    let mut mv = Vec::new();
+    for i in 0..300 {
+        let b = pool.alloc_movable(size_of(i), &s).unwrap();
+        touch(&pool, &b, &s, i as u64, true);
+        if i % 3 == 0 {
+            mv.push((b, i as u64));
+        }
+        if i % 10 == 0 {
+            plain.push(pool.alloc(size_of(i), &s).unwrap());
+            raw.push(pool.alloc_raw(size_of(i + 1), &s).unwrap());
+        }
+    }
+    let big = pool.alloc_movable(3 << 20, &s).unwrap();
+    assert!(!big.is_movable());
+    let big_addr = big.pin(&s).ptr().addr();
+    let plain_addrs: Vec<u64> = plain.iter().map(|b| b.ptr().addr()).collect();
+    sync(&pool, &s);
+    // Pin every 25th survivor across the passes.
+    let pins: Vec<_> = mv.iter().step_by(25).map(|(b, _)| b.pin(&s)).collect();
+    let pinned_addrs: Vec<u64> = pins.iter().map(|p| p.ptr().addr()).collect();
+    let mut moved = 0;
+    for _ in 0..10 {
+        moved += pool
+            .compact(CompactOptions::default())
+            .unwrap()
+            .blocks_moved;
+    }
+    assert!(moved > 0);
+    for (p, a) in pins.iter().zip(&pinned_addrs) {
+        assert_eq!(p.ptr().addr(), *a);
+    }
+    for (i, (b, _)) in mv.iter().step_by(25).enumerate() {
+        assert_eq!(
+            b.pin(&s).ptr().addr(),
+            pinned_addrs[i],
+            "pinned block moved"
+        );
+    }
+    assert_eq!(big.pin(&s).ptr().addr(), big_addr);
+    for (b, a) in plain.iter().zip(&plain_addrs) {
+        assert_eq!(b.ptr().addr(), *a);
+    }
+    for &r in &raw {
+        assert!(pool.raw_size(r).is_some());
+    }
+    drop(pins);
+    for (b, seed) in &mv {
+        touch(&pool, b, &s, *seed, false);
+    }
+    sync(&pool, &s);
+    assert_eq!(sim(&pool).integrity_errors(0), 0);
+    for r in raw {
+        pool.free_raw(r, &s).unwrap();
+    }
+    drop(plain);
+    pool.audit().unwrap();
+}
+
+/// A pass slowed down by the simulator's per-operation delay, so that pins,
+/// frees and allocations land while it is in flight.
+fn slow_pool() -> DevicePool {
+    pool()
+}
+
+fn start_slow_pass(pool: &DevicePool) -> gpupool::CompactReport {
+    sim(pool)
+        .set_op_delay(0, Duration::from_millis(30))
+        .unwrap();
+    let r = pool
+        .compact(CompactOptions {
+            wait: false,
+            ..CompactOptions::default()
+        })
+        .unwrap();
+    sim(pool).set_op_delay(0, Duration::ZERO).unwrap();
+    assert!(r.in_flight && r.blocks_planned > 0, "{r:?}");
+    r
+}
+
+/// Waits (maintain, without blocking) until the pass in flight committed;
+/// returns the totals it added.
+fn finish(pool: &DevicePool, before: CompactTotals) -> CompactTotals {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while pool.compact_totals().passes == before.passes {
+        assert!(Instant::now() < deadline, "the pass never committed");
+        std::thread::sleep(Duration::from_millis(2));
+        pool.maintain();
+    }
+    let t = pool.compact_totals();
+    CompactTotals {
+        passes: t.passes - before.passes,
+        bytes_moved: t.bytes_moved - before.bytes_moved,
+        blocks_moved: t.blocks_moved - before.blocks_moved,
+        moves_cancelled: t.moves_cancelled - before.moves_cancelled,
+        regions_released: t.regions_released - before.regions_released,
+    }
+}
+
+#[test]
+fn a_pin_during_a_pass_cancels_that_move_and_sees_the_old_address() {
+    let pool = slow_pool();
+    let s = pool.new_stream().unwrap();
+    let live = fragmented(&pool, &s, 200);
+    sync(&pool, &s);
+    let addrs: Vec<u64> = live.iter().map(|(b, _)| b.pin(&s).ptr().addr()).collect();
+    let t0 = pool.compact_totals();
+    let planned = start_slow_pass(&pool).blocks_planned;
+    // Pin everything while the moves are queued; rewrite each block under
+    // its pin (a new pattern, at the old address).
+    let pins: Vec<_> = live.iter().map(|(b, _)| b.pin(&s)).collect();
+    for (p, a) in pins.iter().zip(&addrs) {
+        assert_eq!(
+            p.ptr().addr(),
+            *a,
+            "a pin during a pass sees the old address"
+        );
+    }
+    for (i, ((b, _), p)) in live.iter().zip(&pins).enumerate() {
+        sim(&pool)
+            .launch_write_pattern(
+                0,
+                s.handle(),
+                p.ptr(),
+                b.size() as u64,
+                5000 + i as u64,
+                Duration::ZERO,
+            )
+            .unwrap();
+    }
+    drop(pins);
+    let c = finish(&pool, t0);
+    assert_eq!(c.moves_cancelled, planned);
+    assert_eq!(c.blocks_moved, 0);
+    pool.audit().unwrap();
+    for (i, (b, _)) in live.iter().enumerate() {
+        assert_eq!(b.pin(&s).ptr().addr(), addrs[i]);
+        touch(&pool, b, &s, 5000 + i as u64, false);
+    }
+    sync(&pool, &s);
+    assert_eq!(sim(&pool).integrity_errors(0), 0);
+    // Nothing pinned now: a new pass moves them, preserving the new data.
+    let r = pool.compact(CompactOptions::default()).unwrap();
+    assert!(r.blocks_moved > 0);
+    for (i, (b, _)) in live.iter().enumerate() {
+        touch(&pool, b, &s, 5000 + i as u64, false);
+    }
+    sync(&pool, &s);
+    assert_eq!(sim(&pool).integrity_errors(0), 0);
+    pool.audit().unwrap();
+}
+
+#[test]
+fn frees_and_allocations_during_a_pass_keep_the_pool_consistent() {
+    let pool = slow_pool();
+    let s = pool.new_stream().unwrap();
+    let mut live = fragmented(&pool, &s, 300);
+    sync(&pool, &s);
+    let t0 = pool.compact_totals();
+    let planned = start_slow_pass(&pool).blocks_planned;
+    // Free a third of the blocks (some are being moved), allocate new ones
+    // (they must not land on reserved destinations or closed regions).
+    let freed: Vec<_> = (0..live.len() / 3).map(|i| live.remove(i)).collect();
+    drop(freed);
+    let mut fresh = Vec::new();
+    for i in 0..100 {
+        let b = pool.alloc_movable(size_of(i + 7), &s).unwrap();
+        touch(&pool, &b, &s, 9000 + i as u64, true);
+        fresh.push((b, 9000 + i as u64));
+    }
+    pool.audit().unwrap();
+    let c = finish(&pool, t0);
+    assert!(
+        c.moves_cancelled > 0 && c.moves_cancelled < planned,
+        "{c:?}"
+    );
+    assert_eq!(c.blocks_moved + c.moves_cancelled, planned);
+    pool.audit().unwrap();
+    for (b, seed) in live.iter().chain(&fresh) {
+        touch(&pool, b, &s, *seed, false);
+    }
+    sync(&pool, &s);
+    assert_eq!(sim(&pool).integrity_errors(0), 0);
+    assert_eq!(sim(&pool).device_faults(0), 0);
+    drop(live);
+    drop(fresh);
+    pool.trim().unwrap();
+    let st = pool.audit().unwrap();
+    assert_eq!(st.allocated_bytes.current, 0);
+    assert_eq!(st.reserved_bytes.current, 0);
+}
+
+#[test]
+fn concurrent_traffic_on_several_streams_during_passes_loses_no_byte() {
+    let pool = pool();
+    let main = pool.new_stream().unwrap();
+    let shared = fragmented(&pool, &main, 300);
+    sync(&pool, &main);
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        for t in 0..3u64 {
+            let (pool, shared, stop) = (&pool, &shared, &stop);
+            sc.spawn(move || {
+                let s = pool.new_stream().unwrap();
+                let mut mine: Vec<(MovableBlock<'_>, u64)> = Vec::new();
+                let mut n = 0u64;
+                while !stop.load(Relaxed) {
+                    n += 1;
+                    let seed = t << 40 | n;
+                    match n % 7 {
+                        0..=2 if mine.len() < 40 => {
+                            let b = pool
+                                .alloc_movable(size_of(n as usize + t as usize), &s)
+                                .unwrap();
+                            touch(pool, &b, &s, seed, true);
+                            mine.push((b, seed));
+                        }
+                        3 | 4 if !mine.is_empty() => {
+                            let (b, sd) = mine.swap_remove((n as usize * 31) % mine.len());
+                            touch(pool, &b, &s, sd, false);
+                        }
+                        5 => {
+                            let (b, sd) = &shared[(n as usize * 17) % shared.len()];
+                            touch(pool, b, &s, *sd, false);
+                        }
+                        _ => std::thread::sleep(Duration::from_micros(200)),
+                    }
+                }
+                for (b, sd) in &mine {
+                    touch(pool, b, &s, *sd, false);
+                }
+                sync(pool, &s);
+            });
+        }
+        let mut moved = 0;
+        let mut passes = 0;
+        let t0 = Instant::now();
+        while passes < 40 && t0.elapsed() < Duration::from_secs(30) {
+            let r = pool
+                .compact(CompactOptions {
+                    max_blocks: 16,
+                    wait: passes % 2 == 0,
+                    ..CompactOptions::default()
+                })
+                .unwrap();
+            moved += r.blocks_moved;
+            passes += 1;
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        stop.store(true, Relaxed);
+        assert!(moved > 0);
+    });
+    for (b, seed) in &shared {
+        touch(&pool, b, &main, *seed, false);
+    }
+    sync(&pool, &main);
+    assert_eq!(sim(&pool).integrity_errors(0), 0);
+    assert_eq!(sim(&pool).device_faults(0), 0);
+    assert_eq!(pool.stats().host_syncs, pool.stats().host_syncs);
+    pool.compact(CompactOptions::default()).unwrap();
+    pool.audit().unwrap();
+}
+
+#[test]
+fn idle_maintain_runs_passes_until_compact_then_stops() {
+    let cfg = PoolConfig {
+        idle: Some(Duration::from_millis(5)),
+        compact_max_blocks: 24,
+        ..PoolConfig::default()
+    };
+    let pool = pool_with(cfg, SimConfig::default());
+    let s = pool.new_stream().unwrap();
+    let live = fragmented(&pool, &s, 300);
+    sync(&pool, &s);
+    let before = pool.stats().reserved_bytes.current;
+    // Traffic resets the clock: no pass right after an allocation.
+    assert!(pool
+        .maintain()
+        .compaction
+        .is_none_or(|c| c.blocks_planned == 0));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (mut moved, mut quiet) = (0, 0);
+    let host_syncs = pool.stats().host_syncs;
+    while quiet < 20 {
+        assert!(Instant::now() < deadline, "idle compaction never settled");
+        std::thread::sleep(Duration::from_millis(2));
+        match pool.maintain().compaction {
+            Some(c) => {
+                moved += c.blocks_moved;
+                quiet = 0;
+            }
+            None => quiet += 1,
+        }
+    }
+    assert!(moved > 24, "several bounded passes ran: {moved}");
+    assert!(pool.stats().reserved_bytes.current < before);
+    // maintain never blocked the host on the device.
+    assert_eq!(pool.stats().host_syncs, host_syncs);
+    let passes = pool.compact_totals().passes;
+    for _ in 0..10 {
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(pool.maintain().compaction.is_none());
+    }
+    assert_eq!(
+        pool.compact_totals().passes,
+        passes,
+        "no passes once compact"
+    );
+    for (b, seed) in &live {
+        touch(&pool, b, &s, *seed, false);
+    }
+    sync(&pool, &s);
+    assert_eq!(sim(&pool).integrity_errors(0), 0);
+    pool.audit().unwrap();
+}
+
+#[test]
+fn fragmentation_workload_reaches_the_ratio_with_no_integrity_error() {
+    let r = fragment::run(&FragmentOptions {
+        capacity_bytes: 2 << 30,
+        blocks: 3000,
+        passes: 60,
+        pass_blocks: 32,
+        load_threads: 2,
+        ..FragmentOptions::default()
+    })
+    .unwrap();
+    eprintln!("{}", serde_json::to_string_pretty(&r).unwrap());
+    assert_eq!(r.integrity_errors, 0);
+    assert_eq!(r.device_faults, 0);
+    assert_eq!(r.audit_error, None);
+    assert!(r.before.ratio > 1.5, "fragmenting worked: {:?}", r.before);
+    assert!(r.after.ratio <= 1.10, "after compaction: {:?}", r.after);
+    assert!(r.passes > 0 && r.bytes_moved > 0);
+}
