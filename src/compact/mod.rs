@@ -156,9 +156,12 @@ pub struct CompactOptions {
     /// Give the memory the pass empties back to the device
     /// (`compact_release`); otherwise it stays cached in the pool.
     pub release: bool,
-    /// Wait on the host for the pass's moves and commit them before
-    /// returning. Without it the pass commits at a later `compact`,
+    /// Block the host until an earlier pass in flight completed, then
+    /// until this pass's moves complete, and commit them before returning.
+    /// Without it nothing waits: the pass commits at a later `compact`,
     /// `maintain` or movable allocation that finds its event complete.
+    /// (Either way, memory of freed blocks whose last uses are still queued
+    /// is not free room yet for this pass.)
     pub wait: bool,
 }
 
@@ -267,7 +270,10 @@ impl DevicePool {
         let mut st = arena.lock();
         if opts.wait {
             if let Some(p) = &st.pass {
-                // Finish the earlier pass first, so that this call can run one.
+                // Finish the earlier pass first, so that this call can run
+                // one. The lock is not held while the host waits. (Frees
+                // whose last uses are still queued are not waited for: that
+                // would tie this call to the users' streams.)
                 let ev = p.done;
                 drop(st);
                 pass::sync_pass(shared, ev)?;

@@ -101,6 +101,13 @@ pub(crate) fn commit(pool: &PoolShared, st: &mut ArenaState) -> Serviced {
     pool.recycle_event(pass.done);
     for &base in &pass.sources {
         st.set_evacuating(base, false);
+    }
+    // The sources, and destinations whose last hold was a cancelled move.
+    let mut touched: Vec<u64> = pass.sources.clone();
+    touched.extend(pass.moves.iter().map(|m| st.region_of(m.dst)));
+    touched.sort_unstable();
+    touched.dedup();
+    for base in touched {
         if st.drop_if_empty(base) {
             pool.free_region(base);
             s.regions_released += 1;
@@ -215,8 +222,9 @@ fn enqueue(
     }
 }
 
-/// Blocks the host until the in-flight pass `id` completed (the explicit
-/// `compact()` with `wait`, called without the arena lock).
+/// Blocks the host until `ev` completed (the explicit `compact()` with
+/// `wait`, called without the arena lock). The event may have been
+/// recycled meanwhile; waiting on its new capture is only a longer wait.
 pub(crate) fn sync_pass(pool: &PoolShared, ev: crate::ptr::EventHandle) -> Result<()> {
     pool.be().sync_event(pool.dev(), ev)
 }
@@ -250,5 +258,18 @@ pub(crate) fn sync_all(pool: &PoolShared, st: &mut ArenaState) -> Serviced {
     if let Some(p) = &st.pass {
         let _ = be.sync_event(pool.dev(), p.done);
     }
-    service(pool, st)
+    let mut s = service(pool, st);
+    let empty: Vec<u64> = st
+        .regions
+        .iter()
+        .filter(|(_, r)| r.live == 0 && r.held == 0)
+        .map(|(&b, _)| b)
+        .collect();
+    for base in empty {
+        if st.drop_if_empty(base) {
+            pool.free_region(base);
+            s.regions_released += 1;
+        }
+    }
+    s
 }
