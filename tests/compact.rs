@@ -547,7 +547,6 @@ mod model {
 
     /// Orders `to`'s later work after `from`'s work so far (device side).
     fn order(pool: &DevicePool, from: &Stream, to: &Stream) {
-        use gpupool::Backend;
         if from.handle() == to.handle() {
             return;
         }
