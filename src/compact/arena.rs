@@ -271,6 +271,28 @@ impl ArenaState {
         Some(dst)
     }
 
+    /// Like [`ArenaState::reserve_dst`], but only in a region holding more
+    /// than `than` bytes (live and incoming): moving bytes from a sparser to
+    /// a denser region raises the sum of squared region occupancies, so a
+    /// sequence of such moves can never cycle. Looks at the 4096 best fits.
+    pub fn reserve_dst_denser(&mut self, len: u64, than: u64) -> Option<u64> {
+        let &(elen, addr) = self
+            .free_by_size
+            .range((len, 0)..)
+            .take(4096)
+            .find(|&&(_, a)| {
+                let r = &self.regions[&self.region_of(a)];
+                r.live + r.incoming > than
+            })?;
+        self.remove_free(addr);
+        if elen > len {
+            self.insert_free(addr + len, elen - len);
+        }
+        self.hold(addr, len);
+        self.region_mut(addr).incoming += len;
+        Some(addr)
+    }
+
     /// Frees a reserved destination (a cancelled or undone move).
     pub fn release_dst(&mut self, dst: u64, len: u64) {
         self.region_mut(dst).incoming -= len;
