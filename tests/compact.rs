@@ -489,9 +489,9 @@ fn idle_maintain_runs_passes_until_compact_then_stops() {
 fn fragmentation_workload_reaches_the_ratio_with_no_integrity_error() {
     let r = fragment::run(&FragmentOptions {
         capacity_bytes: 2 << 30,
-        blocks: 3000,
+        blocks: 6000,
         passes: 60,
-        pass_blocks: 32,
+        pass_blocks: 64,
         load_threads: 2,
         ..FragmentOptions::default()
     })

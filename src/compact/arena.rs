@@ -272,9 +272,10 @@ impl ArenaState {
     }
 
     /// Like [`ArenaState::reserve_dst`], but only in a region holding more
-    /// than `than` bytes (live and incoming): moving bytes from a sparser to
-    /// a denser region raises the sum of squared region occupancies, so a
-    /// sequence of such moves can never cycle. Looks at the 4096 best fits.
+    /// than `than` bytes (live and incoming). The planner passes the
+    /// source's live bytes minus `len`: such a move raises the sum of
+    /// squared region occupancies, so a sequence of them can never cycle.
+    /// Looks at the 4096 best fits.
     pub fn reserve_dst_denser(&mut self, len: u64, than: u64) -> Option<u64> {
         let &(elen, addr) = self
             .free_by_size

@@ -11,8 +11,8 @@
 //!    verifying and freeing movable blocks of their own on their own
 //!    streams, and pin survivors of step 1 to verify them (cancelling their
 //!    moves when a pass is moving them).
-//! 3. **Finish.** Stop the load, free its blocks, run passes until one
-//!    finds nothing, and measure again; then verify every survivor (a pin
+//! 3. **Finish.** Stop the load, free its blocks, wait for those frees
+//!    (`trim`), run passes until one finds nothing, and measure again; then verify every survivor (a pin
 //!    and a verify kernel each), wait, and read the simulator's integrity
 //!    and fault counters, and audit the pool.
 
@@ -264,7 +264,9 @@ pub fn run(opts: &FragmentOptions) -> Result<FragmentReport> {
     rep.load_ops = load_ops.load(Relaxed);
 
     // 3. Finish: passes until nothing moves, then measure and verify.
-    pool.maintain();
+    // The load's last frees wait on its streams' final work: let them
+    // complete (trim waits for pending frees), so the passes see that room.
+    pool.trim()?;
     // Passes terminate (see `planner.rs`); the bound only guards the run.
     for _ in 0..100 * opts.blocks.max(100) {
         let r = pool.compact(pass_opts)?;
