@@ -11,6 +11,7 @@
 pub mod backend;
 pub mod bench;
 pub mod collective;
+pub mod compact;
 pub mod config;
 pub mod demo;
 mod error;
@@ -25,6 +26,7 @@ pub mod trace;
 pub mod train;
 
 pub use backend::{Backend, DeviceInfo, Move};
+pub use compact::{CompactOptions, CompactReport, MovableBlock, Pinned};
 pub use config::{BackendKind, PoolConfig, SimConfig};
 pub use error::{Error, OomReport, Result};
 pub use pool::{Block, DevicePool, PoolStats, Stat, Stream};

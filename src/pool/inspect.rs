@@ -103,6 +103,9 @@ impl PoolShared {
         // The runtime's maintenance thread waits while the audit runs.
         let _gate = self.maint_gate.lock();
         super::magazine::flush_for(self);
+        // Movable regions are heap allocations; their free extents are
+        // cached bytes and their held bytes are pending (see src/compact/).
+        let (mv_regions, mv_live, _, mv_free) = self.movable.audit()?;
         let h = self.heap.lock();
         h.heap.check()?;
         let f = h.heap.figures();
@@ -115,7 +118,7 @@ impl PoolShared {
         let magazines = self.counters.magazine_bytes();
         let live_slots =
             h.slab_bytes - c.free_bytes - c.pending_bytes - h.slab_tail_bytes - magazines;
-        let large_live = f.allocated - h.slab_bytes - h.exact.bytes;
+        let large_live = f.allocated - h.slab_bytes - h.exact.bytes - mv_regions;
         let large_ranges: u64 = h
             .large
             .keys()
@@ -129,9 +132,9 @@ impl PoolShared {
                 "live large blocks span {large_ranges} B, the heap holds {large_live} B for them"
             ));
         }
-        if active != large_live + live_slots {
+        if active != large_live + live_slots + mv_live {
             return Err(format!(
-                "active counter {active} != live large ranges {large_live} + live slots {live_slots}"
+                "active counter {active} != live large ranges {large_live} + live slots {live_slots} + live movable {mv_live}"
             ));
         }
         if allocated > active {
@@ -141,7 +144,8 @@ impl PoolShared {
             return Err("pending slot byte counter drifted".into());
         }
         let stats = self.stats();
-        let cached = f.free_clean + f.free_dirty + f.spare + c.free_bytes + parked + magazines;
+        let cached =
+            f.free_clean + f.free_dirty + f.spare + c.free_bytes + parked + magazines + mv_free;
         let sum = stats.active_bytes.current
             + stats.pending_bytes.current
             + cached

@@ -6,6 +6,13 @@
 //! previous call. Idle detection costs the fast path nothing: it compares
 //! the alloc and free counters between calls instead of stamping a clock on
 //! every operation.
+//!
+//! It also services compaction without blocking: it harvests movable frees
+//! and commits a pass whose event completed. When `idle_ms` is set and the
+//! pool has been idle that long, it starts one bounded pass (not waiting
+//! for it); it keeps starting passes on later calls while they find blocks
+//! to move, and stops for the rest of the idle period once a pass finds
+//! nothing, so an idle, compact pool costs nothing.
 
 use super::DevicePool;
 use std::time::{Duration, Instant};
@@ -22,6 +29,9 @@ pub struct MaintainReport {
     /// Whether this step flushed the streams' dirty memory (it does after
     /// the pool grew; see `flush_streams_if_grown`).
     pub flushed: bool,
+    /// Compaction work of this call: commits of finished passes, and the
+    /// idle-time pass it started, if any (`None` when nothing happened).
+    pub compaction: Option<crate::compact::CompactReport>,
 }
 
 /// Traffic seen by the previous `maintain` call.
@@ -29,6 +39,8 @@ pub struct MaintainReport {
 pub(crate) struct IdleState {
     ops: u64,
     since: Instant,
+    /// An idle pass found nothing to move in this idle period.
+    compacted: bool,
 }
 
 impl Default for IdleState {
@@ -36,6 +48,7 @@ impl Default for IdleState {
         IdleState {
             ops: 0,
             since: Instant::now(),
+            compacted: false,
         }
     }
 }
@@ -55,12 +68,59 @@ impl DevicePool {
         if ops != idle.ops {
             idle.ops = ops;
             idle.since = now;
+            idle.compacted = false;
+        }
+        let idle_for = now - idle.since;
+        let mut compaction = Some(self.shared.arena().service(&self.shared));
+        if let Some(c) = compaction.as_mut().filter(|c| c.regions_released > 0) {
+            if self.shared.cfg().compact_release {
+                c.bytes_released += self.shared.release_cached_memory();
+            }
+        }
+        let due = self.shared.cfg().idle.is_some_and(|d| idle_for >= d);
+        if due && !idle.compacted {
+            let opts = crate::compact::CompactOptions {
+                wait: false,
+                ..crate::compact::CompactOptions::from_config(self.shared.cfg())
+            };
+            match self.compact(opts) {
+                Ok(r) => {
+                    // Nothing planned and nothing in flight: compact for now.
+                    idle.compacted = r.blocks_planned == 0 && !r.in_flight;
+                    compaction = Some(merge(compaction.unwrap_or_default(), r));
+                }
+                Err(e) => {
+                    tracing::warn!(device = self.device(), "idle compaction failed: {e}");
+                    idle.compacted = true;
+                }
+            }
         }
         MaintainReport {
             harvested,
-            idle_for: now - idle.since,
             flushed,
+            idle_for,
+            compaction: compaction
+                .filter(|r| r.committed || r.blocks_planned > 0 || r.regions_released > 0),
         }
+    }
+}
+
+/// Sums the service step's report and the pass's.
+fn merge(
+    a: crate::compact::CompactReport,
+    b: crate::compact::CompactReport,
+) -> crate::compact::CompactReport {
+    crate::compact::CompactReport {
+        blocks_moved: a.blocks_moved + b.blocks_moved,
+        bytes_moved: a.bytes_moved + b.bytes_moved,
+        blocks_planned: b.blocks_planned,
+        bytes_planned: b.bytes_planned,
+        moves_cancelled: a.moves_cancelled + b.moves_cancelled,
+        regions_released: a.regions_released + b.regions_released,
+        bytes_released: a.bytes_released + b.bytes_released,
+        committed: a.committed || b.committed,
+        in_flight: b.in_flight,
+        duration: a.duration + b.duration,
     }
 }
 

@@ -20,6 +20,7 @@
 //! with `cuStreamWaitEvent`.
 
 mod block;
+mod compact_hooks;
 mod exact;
 mod fenwick;
 mod heap;
@@ -115,6 +116,8 @@ pub(crate) struct PoolShared {
     /// Held by the runtime's maintenance thread during a tick and by
     /// `audit`, so that an audit never sees a harvest half done.
     maint_gate: Mutex<()>,
+    /// Movable blocks and compaction (`src/compact/`).
+    movable: crate::compact::Arena,
 }
 
 /// Recorded allocation events.
@@ -184,6 +187,7 @@ impl DevicePool {
             flush_wanted: AtomicBool::new(false),
             idle: Mutex::new(maintain::IdleState::default()),
             maint_gate: Mutex::new(()),
+            movable: crate::compact::Arena::new(gran.max(2 << 20).next_power_of_two()),
             backend,
             cfg,
             info,
@@ -981,7 +985,9 @@ impl PoolShared {
                 h.heap.device_frees,
             )
         };
-        let pending = heap_pending + self.counters.pending_slot_bytes.load(Relaxed);
+        let pending = heap_pending
+            + self.counters.pending_slot_bytes.load(Relaxed)
+            + self.movable.held_bytes();
         let cached = reserved.saturating_sub(active + pending + overhead);
         let c = &self.counters;
         c.sample_peaks();
@@ -1024,6 +1030,7 @@ impl Drop for PoolShared {
     fn drop(&mut self) {
         // Every stream of this pool is gone (they hold the Arc). Wait for
         // pending work, then give everything back.
+        self.movable.teardown(self);
         let _ = self.sync_pending();
         let mut h = self.heap.lock();
         h.heap.teardown();

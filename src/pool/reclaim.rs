@@ -263,6 +263,7 @@ impl PoolShared {
             }
         }
         self.sync_pending()?;
+        self.movable.trim(self);
         self.harvest();
         self.retire_empty_slabs();
         Ok(self.heap.lock().heap.release_cached())

@@ -1,0 +1,336 @@
+//! Compaction: movable blocks, the pass planner, and on-demand and
+//! idle-time defragmentation.
+//!
+//! ```text
+//!  alloc_movable(size, s) ─► MovableBlock (a handle: index + generation)
+//!        pin(s) ─► Pinned { ptr }  (in place until s passes the unpin)
+//!  compact(opts) / maintain() after idle_ms
+//!        plan (under the arena lock): close sparse regions, reserve
+//!        destinations by best fit in the others, mark the blocks moving
+//!        enqueue: compaction stream waits on each block's last-use events,
+//!        one enqueue_moves batch, a completion event
+//!        commit (once that event completed, checked without blocking):
+//!        swap handle addresses, free the old ranges, give emptied regions
+//!        back to the heap (and, with compact_release, to the device)
+//! ```
+//!
+//! Only blocks from [`DevicePool::alloc_movable`] up to a quarter region
+//! (512 KiB with 2 MiB granules) ever move; `alloc`, `alloc_raw`, the C ABI
+//! and larger movable requests never do. `docs/ARCHITECTURE.md` gives the
+//! safety argument step by step.
+//!
+//! Concurrency: the arena is one mutex per device, held for the planning
+//! and enqueueing of a pass (a few non-blocking driver calls), for each
+//! movable alloc/free/pin/unpin, and never while the device copies. A pin
+//! on a block that an in-flight pass is moving *cancels* that block's move:
+//! the pin gets the current (old) address, and the commit frees the
+//! reserved destination instead of swapping. A block freed during a pass is
+//! freed from its current range as usual; the commit sees its generation
+//! changed and frees the destination.
+
+pub(crate) mod arena;
+pub mod fragment;
+mod movable;
+mod pass;
+pub(crate) mod planner;
+
+pub use movable::{MovableBlock, Pinned};
+
+use crate::error::Result;
+use crate::pool::{DevicePool, PoolShared};
+use arena::ArenaState;
+use parking_lot::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+/// The movable arena of one pool: its state behind a mutex, and the held
+/// bytes (pending frees and reserved destinations) readable without it.
+#[derive(Debug)]
+pub(crate) struct Arena {
+    state: Mutex<ArenaState>,
+    held: AtomicU64,
+}
+
+/// A locked arena; publishes the held bytes for `stats()` when dropped.
+pub(crate) struct ArenaGuard<'a> {
+    st: MutexGuard<'a, ArenaState>,
+    held: &'a AtomicU64,
+}
+
+impl std::ops::Deref for ArenaGuard<'_> {
+    type Target = ArenaState;
+    fn deref(&self) -> &ArenaState {
+        &self.st
+    }
+}
+
+impl std::ops::DerefMut for ArenaGuard<'_> {
+    fn deref_mut(&mut self) -> &mut ArenaState {
+        &mut self.st
+    }
+}
+
+impl Drop for ArenaGuard<'_> {
+    fn drop(&mut self) {
+        self.held.store(self.st.held_total, Relaxed);
+    }
+}
+
+impl Arena {
+    /// An empty arena whose regions are `region_bytes` (a power of two).
+    pub(crate) fn new(region_bytes: u64) -> Arena {
+        Arena {
+            state: Mutex::new(ArenaState::new(region_bytes)),
+            held: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn lock(&self) -> ArenaGuard<'_> {
+        ArenaGuard {
+            st: self.state.lock(),
+            held: &self.held,
+        }
+    }
+
+    /// Bytes held back now: movable frees waiting on events and
+    /// destinations reserved by a pass (counted as pending in the stats).
+    pub(crate) fn held_bytes(&self) -> u64 {
+        self.held.load(Relaxed)
+    }
+
+    /// For the audit: checks the arena and returns (region bytes, live,
+    /// held, free).
+    pub(crate) fn audit(&self) -> std::result::Result<(u64, u64, u64, u64), String> {
+        let st = self.lock();
+        st.check()?;
+        let f = st.figures();
+        if f.2 != self.held.load(Relaxed) {
+            return Err("published held bytes drifted".into());
+        }
+        Ok(f)
+    }
+
+    /// Synchronizes and releases everything pending, and destroys the
+    /// compaction stream (pool teardown).
+    pub(crate) fn teardown(&self, pool: &PoolShared) {
+        let mut st = self.lock();
+        pass::sync_all(pool, &mut st);
+        if let Some(s) = st.stream.take() {
+            let _ = pool.be().destroy_stream(pool.dev(), s);
+        }
+        for e in st.entries.iter_mut() {
+            for (_, ev) in e.last_use.drain(..) {
+                pool.recycle_event(ev);
+            }
+        }
+    }
+
+    /// Synchronizes pending movable frees and any pass in flight (`trim`).
+    pub(crate) fn trim(&self, pool: &PoolShared) {
+        pass::sync_all(pool, &mut self.lock());
+    }
+
+    /// The non-blocking step of `maintain`: harvest and commit.
+    pub(crate) fn service(&self, pool: &PoolShared) -> CompactReport {
+        let t0 = Instant::now();
+        let s = pass::service(pool, &mut self.lock());
+        CompactReport {
+            blocks_moved: s.blocks_moved,
+            bytes_moved: s.bytes_moved,
+            moves_cancelled: s.cancelled,
+            regions_released: s.regions_released,
+            committed: s.committed,
+            duration: t0.elapsed(),
+            ..Default::default()
+        }
+    }
+}
+
+/// Options of one compaction pass ([`DevicePool::compact`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CompactOptions {
+    /// Most bytes the pass moves (`compact_max_bytes`).
+    pub max_bytes: u64,
+    /// Most blocks the pass moves (`compact_max_blocks`).
+    pub max_blocks: usize,
+    /// Give the memory the pass empties back to the device
+    /// (`compact_release`); otherwise it stays cached in the pool.
+    pub release: bool,
+    /// Block the host until an earlier pass in flight completed, then
+    /// until this pass's moves complete, and commit them before returning.
+    /// Without it nothing waits: the pass commits at a later `compact`,
+    /// `maintain` or movable allocation that finds its event complete.
+    /// (Either way, memory of freed blocks whose last uses are still queued
+    /// is not free room yet for this pass.)
+    pub wait: bool,
+}
+
+impl Default for CompactOptions {
+    /// The defaults of [`crate::PoolConfig`], waiting for the pass.
+    fn default() -> Self {
+        let c = crate::PoolConfig::default();
+        CompactOptions {
+            max_bytes: c.compact_max_bytes,
+            max_blocks: c.compact_max_blocks,
+            release: c.compact_release,
+            wait: true,
+        }
+    }
+}
+
+impl CompactOptions {
+    /// The bounds and release policy of a pool's configuration.
+    pub fn from_config(cfg: &crate::PoolConfig) -> Self {
+        CompactOptions {
+            max_bytes: cfg.compact_max_bytes,
+            max_blocks: cfg.compact_max_blocks,
+            release: cfg.compact_release,
+            wait: true,
+        }
+    }
+}
+
+/// What one [`DevicePool::compact`] call (or an idle-time pass) did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CompactReport {
+    /// Blocks and bytes whose moves were committed during this call (the
+    /// pass it started, when it waited, and any earlier pass it found done).
+    pub blocks_moved: u64,
+    /// See `blocks_moved`.
+    pub bytes_moved: u64,
+    /// Blocks and bytes of the pass this call enqueued (0 when there was
+    /// nothing to move or another pass was still in flight).
+    pub blocks_planned: u64,
+    /// See `blocks_planned`.
+    pub bytes_planned: u64,
+    /// Planned moves dropped at commit: a pin cancelled them, or the block
+    /// was freed meanwhile.
+    pub moves_cancelled: u64,
+    /// Movable regions emptied and given back to the pool's heap.
+    pub regions_released: u64,
+    /// Device memory given back to the device by this call.
+    pub bytes_released: u64,
+    /// Whether a pass was committed during this call.
+    pub committed: bool,
+    /// Whether a pass is still in flight when the call returns.
+    pub in_flight: bool,
+    /// Wall time of the call.
+    #[serde(serialize_with = "ser_duration")]
+    pub duration: Duration,
+}
+
+fn ser_duration<S: serde::Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
+}
+
+/// Lifetime totals of a pool's compaction.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CompactTotals {
+    /// Passes committed.
+    pub passes: u64,
+    /// Bytes and blocks moved by them.
+    pub bytes_moved: u64,
+    /// See `bytes_moved`.
+    pub blocks_moved: u64,
+    /// Moves cancelled by pins or frees.
+    pub moves_cancelled: u64,
+    /// Regions given back to the heap by passes.
+    pub regions_released: u64,
+}
+
+/// Bytes of movable memory now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MovableUsage {
+    /// Regions held by the movable arena.
+    pub regions: u64,
+    /// Bytes of those regions.
+    pub region_bytes: u64,
+    /// Rounded bytes of live movable blocks in them.
+    pub live_bytes: u64,
+}
+
+impl DevicePool {
+    /// Runs one bounded compaction pass now (see the module docs of
+    /// [`crate::compact`]). First commits a finished earlier pass. With
+    /// `opts.wait` (the default) the host waits for the pass's moves — this
+    /// explicit call is, like `trim`, allowed to block — and commits them;
+    /// allocations, frees and pins on other threads are never blocked
+    /// longer than the planning step.
+    pub fn compact(&self, opts: CompactOptions) -> Result<CompactReport> {
+        let shared = self.shared();
+        shared.ensure_live()?;
+        let t0 = Instant::now();
+        let reserved0 = shared.reserved_now();
+        let arena = shared.arena();
+        let mut r = CompactReport::default();
+        let budget = planner::Budget {
+            max_bytes: opts.max_bytes,
+            max_blocks: opts.max_blocks,
+        };
+        let mut st = arena.lock();
+        if opts.wait {
+            if let Some(p) = &st.pass {
+                // Finish the earlier pass first, so that this call can run
+                // one. The lock is not held while the host waits. (Frees
+                // whose last uses are still queued are not waited for: that
+                // would tie this call to the users' streams.)
+                let ev = p.done;
+                drop(st);
+                pass::sync_pass(shared, ev)?;
+                st = arena.lock();
+            }
+        }
+        absorb(&mut r, pass::service(shared, &mut st));
+        let started = pass::start(shared, &mut st, budget)?;
+        if let Some(s) = started {
+            r.blocks_planned = s.blocks;
+            r.bytes_planned = s.bytes;
+            if opts.wait {
+                let ev = st.pass.as_ref().expect("just started").done;
+                drop(st);
+                pass::sync_pass(shared, ev)?;
+                st = arena.lock();
+                absorb(&mut r, pass::service(shared, &mut st));
+            }
+        }
+        r.in_flight = st.pass.is_some();
+        drop(st);
+        if opts.release && r.regions_released > 0 {
+            shared.release_cached_memory();
+        }
+        r.bytes_released = reserved0.saturating_sub(shared.reserved_now());
+        r.duration = t0.elapsed();
+        Ok(r)
+    }
+
+    /// Lifetime compaction totals of this pool.
+    pub fn compact_totals(&self) -> CompactTotals {
+        let t = self.shared().arena().lock().totals;
+        CompactTotals {
+            passes: t.passes,
+            bytes_moved: t.bytes_moved,
+            blocks_moved: t.blocks_moved,
+            moves_cancelled: t.cancelled,
+            regions_released: t.regions_released,
+        }
+    }
+
+    /// Movable memory now.
+    pub fn movable_usage(&self) -> MovableUsage {
+        let st = self.shared().arena().lock();
+        let (region_bytes, live, _, _) = st.figures();
+        MovableUsage {
+            regions: st.regions.len() as u64,
+            region_bytes,
+            live_bytes: live,
+        }
+    }
+}
+
+fn absorb(r: &mut CompactReport, s: pass::Serviced) {
+    r.blocks_moved += s.blocks_moved;
+    r.bytes_moved += s.bytes_moved;
+    r.moves_cancelled += s.cancelled;
+    r.regions_released += s.regions_released;
+    r.committed |= s.committed;
+}
