@@ -197,3 +197,60 @@ fn cli_json_report_has_the_contract_keys() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("inference"));
 }
+
+/// `gpupool stress --fragment --json`: the compaction workload through the
+/// CLI, with DESIGN.md's keys, compaction bringing reserved to within
+/// 1.10x of live, and a clean run (0 integrity errors, 0 leaks, 0 syncs).
+#[test]
+fn cli_fragment_report_has_the_contract_keys_and_meets_the_target() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpupool"))
+        .args([
+            "stress",
+            "--fragment",
+            "--blocks",
+            "4000",
+            "--passes",
+            "50",
+            "--capacity",
+            "1GiB",
+            "--json",
+        ])
+        .env("GPUPOOL_LOG", "error")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    for k in [
+        "ops",
+        "integrity_errors",
+        "leaked_bytes",
+        "host_syncs_on_alloc_path",
+        "p50_ns",
+        "p99_ns",
+        "peak_live_bytes",
+        "peak_reserved_bytes",
+        "bytes_moved",
+        "passes",
+    ] {
+        assert!(j[k].is_u64(), "{k} missing in {j}");
+    }
+    for side in ["before", "after"] {
+        for k in ["live_bytes", "reserved_bytes"] {
+            assert!(j[side][k].is_u64(), "{side}.{k} missing in {j}");
+        }
+    }
+    assert_eq!(j["integrity_errors"], 0);
+    assert_eq!(j["leaked_bytes"], 0);
+    assert_eq!(j["host_syncs_on_alloc_path"], 0);
+    assert!(j["bytes_moved"].as_u64().unwrap() > 0);
+    let ratio = |side: &str| {
+        j[side]["reserved_bytes"].as_f64().unwrap() / j[side]["live_bytes"].as_f64().unwrap()
+    };
+    assert!(ratio("before") > 1.5, "the workload fragments: {j}");
+    assert!(ratio("after") <= 1.10, "compaction gives memory back: {j}");
+}

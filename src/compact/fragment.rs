@@ -109,6 +109,22 @@ pub struct FragmentReport {
     pub device_faults: u64,
     /// The pool's audit after the run (`None`: passed).
     pub audit_error: Option<String>,
+    /// Allocations, frees and load operations in all.
+    pub ops: u64,
+    /// Median `alloc_movable` latency of the fragmenting phase, ns.
+    pub p50_ns: u64,
+    /// 99th percentile of the same, ns.
+    pub p99_ns: u64,
+    /// Peak requested bytes.
+    pub peak_live_bytes: u64,
+    /// Peak device memory held.
+    pub peak_reserved_bytes: u64,
+    /// Host-blocking syncs the pool made while the fragmenting phase
+    /// allocated and freed (must be 0).
+    pub host_syncs_on_alloc_path: u64,
+    /// Device memory still held after every block was freed and the pool
+    /// trimmed (must be 0).
+    pub leaked_bytes: u64,
 }
 
 /// xorshift64*: small and deterministic.
@@ -206,10 +222,14 @@ pub fn run(opts: &FragmentOptions) -> Result<FragmentReport> {
     let mut rng = Rng::new(opts.seed);
 
     // 1. Fragment.
+    let syncs_before = pool.stats().host_syncs;
+    let mut alloc_ns = Vec::with_capacity(opts.blocks);
     let mut blocks: Vec<(MovableBlock<'_>, u64)> = Vec::with_capacity(opts.blocks);
     for i in 0..opts.blocks {
         let size = rng.size(opts.min_size, opts.max_size);
+        let t = Instant::now();
         let b = pool.alloc_movable(size as usize, &main)?;
+        alloc_ns.push(t.elapsed().as_nanos() as u64);
         let seed = opts.seed << 32 | i as u64;
         touch(&pool, &b, &main, seed, true)?;
         blocks.push((b, seed));
@@ -220,6 +240,8 @@ pub fn run(opts: &FragmentOptions) -> Result<FragmentReport> {
             survivors.push((b, seed));
         }
     }
+    let host_syncs_on_alloc_path = pool.stats().host_syncs - syncs_before;
+    let freed = (opts.blocks - survivors.len()) as u64;
     // The writes must be done before other streams verify the blocks.
     be.sync_stream(0, main.handle())?;
     let before = usage(&pool);
@@ -291,7 +313,19 @@ pub fn run(opts: &FragmentOptions) -> Result<FragmentReport> {
         rep.pass_us_p50 = pass_us[pass_us.len() / 2];
         rep.pass_us_max = pass_us[pass_us.len() - 1];
     }
+    alloc_ns.sort_unstable();
+    if !alloc_ns.is_empty() {
+        rep.p50_ns = alloc_ns[alloc_ns.len() / 2];
+        rep.p99_ns = alloc_ns[alloc_ns.len() * 99 / 100];
+    }
+    rep.host_syncs_on_alloc_path = host_syncs_on_alloc_path;
+    rep.ops = opts.blocks as u64 + freed + rep.load_ops;
+    let st = pool.stats();
+    rep.peak_live_bytes = st.allocated_bytes.peak;
+    rep.peak_reserved_bytes = st.reserved_bytes.peak;
     drop(survivors);
+    pool.trim()?;
+    rep.leaked_bytes = pool.stats().reserved_bytes.current;
     Ok(rep)
 }
 
