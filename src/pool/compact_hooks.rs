@@ -127,16 +127,25 @@ impl PoolShared {
     /// completed (the arena frees ranges only after their events), so the
     /// range is clean.
     pub(crate) fn free_region(&self, addr: u64) {
-        self.heap
-            .lock()
+        let mut h = self.heap.lock();
+        let len = h
             .heap
             .free(addr, Tag::Clean)
             .expect("movable regions are allocated ranges");
+        h.freed_regions.push((addr, len));
     }
 
-    /// Releases cached physical memory to the device; returns the bytes.
+    /// Releases to the device the physical memory of the regions emptied
+    /// since the last call (where still idle): what compaction freed, not
+    /// the rest of the pool's cache, which the next steps reuse. Returns
+    /// the bytes.
     pub(crate) fn release_cached_memory(&self) -> u64 {
-        self.heap.lock().heap.release_cached()
+        let mut h = self.heap.lock();
+        let regions = std::mem::take(&mut h.freed_regions);
+        regions
+            .into_iter()
+            .map(|(a, l)| h.heap.release_range(a, a + l))
+            .sum()
     }
 
     /// Device memory held now.

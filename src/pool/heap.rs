@@ -1162,6 +1162,37 @@ impl Heap {
         before - self.reserved
     }
 
+    /// Releases to the device the physical memory of idle, clean granules
+    /// lying wholly inside `[lo, hi)` (the rest of the cache stays).
+    /// Returns the bytes released.
+    pub(crate) fn release_range(&mut self, lo: u64, hi: u64) -> u64 {
+        let Physical::Vmm { base, idle, .. } = &self.phys else {
+            return 0;
+        };
+        let first = (lo.saturating_sub(*base)).div_ceil(self.gran) as u32;
+        let end = (hi.saturating_sub(*base) / self.gran) as u32;
+        let gs: Vec<u32> = idle.range(first..end.max(first)).copied().collect();
+        let before = self.reserved;
+        for g in gs {
+            if !self.granule_is_clean(g) {
+                continue;
+            }
+            if let Some(c) = self.unmap_granule(g) {
+                match self.backend.release_chunk(self.dev, c) {
+                    Ok(()) => {
+                        self.reserved -= self.gran;
+                        self.device_frees += 1;
+                    }
+                    Err(e) => {
+                        tracing::warn!(device = self.dev, "cuMemRelease failed: {e}");
+                        self.push_spare(c);
+                    }
+                }
+            }
+        }
+        before - self.reserved
+    }
+
     /// The largest request that can be served without new device memory:
     /// the longest run of free, backed memory (not pending), or a free range
     /// backed by stitching spare and idle chunks, whichever is larger.

@@ -75,6 +75,9 @@ struct HeapState {
     free_slab_ids: Vec<Vec<u32>>,
     /// Live large blocks by address.
     large: HashMap<u64, LargeLive>,
+    /// Movable regions given back to the heap since compaction last
+    /// released memory: `(addr, len)`.
+    freed_regions: Vec<(u64, u64)>,
     /// Large ranges parked for exact-size reuse on their stream.
     exact: exact::ExactCache,
     /// Granules aliased by stitching, released when their event completes.
@@ -171,6 +174,7 @@ impl DevicePool {
                 free_slab_ids: vec![Vec::new(); classes_len],
                 large: HashMap::default(),
                 exact: exact::ExactCache::default(),
+                freed_regions: Vec::new(),
                 quarantine: Vec::new(),
                 slab_bytes: 0,
                 slab_tail_bytes: 0,

@@ -30,6 +30,7 @@ pub use kernels::{for_backend as kernels_for, Kernels};
 pub use report::{DeviceReport, PhaseReport, Sample, TrainReport};
 
 use crate::collective::{self, AllReduce, ReduceBuf};
+use crate::compact::MovableBlock;
 use crate::error::{Error, Result};
 use crate::pool::{Block, DevicePool, Stream};
 use crate::runtime::Runtime;
@@ -130,6 +131,11 @@ struct Device<'a> {
     streams: &'a [Stream],
     weights: Vec<Block<'a>>,
     buckets: Vec<Block<'a>>,
+    /// Small per-layer checkpoints kept from the previous step (movable
+    /// blocks, with their pattern seeds): half of each step's survive it,
+    /// interleaved with freed ones, so the idle gap has fragmented memory
+    /// to compact. Each is verified before it is freed.
+    checkpoints: Vec<(MovableBlock<'a>, u64)>,
     /// Side streams' events, for the compute stream to wait on.
     events: Vec<crate::ptr::EventHandle>,
     report: DeviceReport,
@@ -160,6 +166,7 @@ impl<'a> Device<'a> {
             streams,
             weights,
             buckets,
+            checkpoints: Vec::new(),
             events,
             report: DeviceReport::new(pool.device()),
             t0,
@@ -215,6 +222,7 @@ impl<'a> Device<'a> {
                     }
                 }
                 acts.push(a);
+                self.checkpoint(k, o, step, micro * o.layers + l, batch)?;
             }
             self.sample();
             let per_bucket = o.layers.div_ceil(o.buckets).max(1);
@@ -234,6 +242,68 @@ impl<'a> Device<'a> {
                 }
             }
             self.sample();
+        }
+        Ok(())
+    }
+
+    /// A small movable checkpoint number `l` of a step (one per layer and
+    /// micro-batch; an eighth of the layer's activation, at most 256 KiB),
+    /// written through a pin on the compute stream. The previous step's
+    /// checkpoint `l` is verified (through a pin: at whatever address
+    /// compaction left it) and freed; the new one is kept only for odd
+    /// `l`, so each step leaves a half-used arena behind.
+    fn checkpoint(
+        &mut self,
+        k: &dyn Kernels,
+        o: &TrainOptions,
+        step: usize,
+        l: usize,
+        batch: usize,
+    ) -> Result<()> {
+        let (pool, dev, c) = (self.pool, self.pool.device(), &self.streams[0]);
+        if let Some(i) = self
+            .checkpoints
+            .iter()
+            .position(|(_, seed)| *seed >> 32 == l as u64)
+        {
+            let (old, seed) = self.checkpoints.swap_remove(i);
+            self.verify_movable(&old, seed)?;
+        }
+        let bytes = (o.activation(l % o.layers, batch) / 16).clamp(256, 256 << 10);
+        let m = pool.alloc_movable(bytes, c)?;
+        let seed = (l as u64) << 32 | gradient_seed(step, 0, dev, 2000 + l) & 0xFFFF_FFFF;
+        {
+            let p = m.pin(c);
+            k.pattern(dev, c.handle(), p.ptr(), (bytes as u64) & !7, seed)?;
+        }
+        if l % 2 == 1 {
+            self.checkpoints.push((m, seed));
+        } else {
+            self.verify_movable(&m, seed)?;
+        }
+        Ok(())
+    }
+
+    /// Checks a checkpoint's pattern on the compute stream (simulator only:
+    /// its kernels can verify), through a pin.
+    fn verify_movable(&mut self, m: &MovableBlock<'a>, seed: u64) -> Result<()> {
+        let be = self.pool.backend();
+        if let Some(sim) = be
+            .as_any()
+            .downcast_ref::<crate::backend::sim::SimBackend>()
+        {
+            let c = &self.streams[0];
+            let p = m.pin(c);
+            let len = (m.size() as u64) & !7;
+            let r = sim.launch_verify_pattern(
+                self.pool.device(),
+                c.handle(),
+                p.ptr(),
+                len,
+                seed,
+                Duration::ZERO,
+            )?;
+            self.report.verifies.push(r);
         }
         Ok(())
     }
@@ -397,7 +467,10 @@ pub fn run_with(
             let m = maint.iter().find(|m| m.device == d.pool.device()).cloned();
             let dev = d.pool.device();
             let report = std::mem::replace(&mut d.report, DeviceReport::new(dev));
+            let ct = d.pool.compact_totals();
             let mut r = report.finish(o, &st, m);
+            r.compaction_passes = ct.passes;
+            r.compaction_bytes_moved = ct.bytes_moved;
             drop(d);
             r.integrity_errors = r.verifies.iter().map(|v| v.wait()).sum();
             r.verifies.clear();

@@ -52,6 +52,11 @@ pub struct DeviceReport {
     /// Bytes the simulator's verify kernels found wrong (0 on CUDA, where
     /// activations are not verified).
     pub integrity_errors: u64,
+    /// Compaction passes that moved blocks (idle-time ones, run by the
+    /// maintenance thread between steps).
+    pub compaction_passes: u64,
+    /// Bytes those passes moved.
+    pub compaction_bytes_moved: u64,
     /// What the device's maintenance thread did (`None` without threads).
     pub maintenance: Option<MaintenanceStats>,
     /// Memory over time.
@@ -80,6 +85,8 @@ impl DeviceReport {
             handovers: 0,
             host_syncs_on_alloc_path: 0,
             integrity_errors: 0,
+            compaction_passes: 0,
+            compaction_bytes_moved: 0,
             maintenance: None,
             samples: Vec::new(),
             step_seconds: Vec::new(),
@@ -284,13 +291,15 @@ impl fmt::Display for TrainReport {
                 };
                 writeln!(
                     f,
-                    "maintenance {}: {} ticks, {} harvested, {} idle ticks, {} release(s) giving back {:.1} MiB, {bind}",
+                                        "maintenance {}: {} ticks, {} harvested, {} idle ticks, {} release(s) giving back {:.1} MiB, {} compaction pass(es) moving {:.2} MiB, {bind}",
                     m.thread,
                     m.ticks,
                     m.harvested,
                     m.idle_ticks,
                     m.releases,
-                    mib(m.released_bytes)
+                    mib(m.released_bytes),
+                    d.compaction_passes,
+                    mib(d.compaction_bytes_moved)
                 )?;
             }
         }
