@@ -53,6 +53,13 @@ pub fn for_backend(backend: &Arc<dyn Backend>) -> Result<Box<dyn Kernels>> {
     )))
 }
 
+/// Compiles `kernels/harness.cu` to PTX for `arch` (e.g. `sm_90`) with
+/// NVRTC, as the CUDA harness does at run time; for the NVRTC test.
+#[cfg(feature = "cuda")]
+pub fn compile_harness_ptx(arch: &str) -> Result<String> {
+    cuda::compile(arch)
+}
+
 fn check_words(bytes: u64, word: u64) -> Result<()> {
     if bytes == 0 || bytes % word != 0 {
         return Err(Error::InvalidArgument(format!(
@@ -151,7 +158,7 @@ mod cuda {
         move |e| Error::backend(call, format!("{:?}", e.0))
     }
 
-    fn compile(arch: &str) -> Result<String> {
+    pub(super) fn compile(arch: &str) -> Result<String> {
         let opts = cudarc::nvrtc::CompileOptions {
             options: vec![format!("--gpu-architecture={arch}")],
             name: Some("harness.cu".into()),

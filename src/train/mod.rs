@@ -26,6 +26,8 @@
 mod kernels;
 mod report;
 
+#[cfg(feature = "cuda")]
+pub use kernels::compile_harness_ptx;
 pub use kernels::{for_backend as kernels_for, Kernels};
 pub use report::{DeviceReport, PhaseReport, Sample, TrainReport};
 
