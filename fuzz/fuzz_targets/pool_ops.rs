@@ -388,6 +388,10 @@ fuzz_target!(|input: Input| {
             ..Default::default()
         }))
         .config(PoolConfig::default())
+        // Stats are compared exactly against the model and before/after
+        // each bad call: no background maintenance thread may harvest in
+        // between (as in tests/model.rs).
+        .maintenance(false)
         .build()
         .unwrap();
     let dev = rt.device(0).unwrap();
