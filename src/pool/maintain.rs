@@ -61,8 +61,10 @@ impl DevicePool {
     pub fn maintain(&self) -> MaintainReport {
         let flushed = self.shared.flush_streams_if_grown();
         let harvested = self.shared.harvest();
-        let s = self.shared.stats();
-        let ops = s.num_allocs + s.num_frees;
+        // The per-thread counter shards only: `stats()` would also walk
+        // the heap under its lock, every tick, stalling allocations.
+        let (_, _, allocs, frees) = self.shared.counters.totals();
+        let ops = allocs + frees;
         let now = Instant::now();
         let mut idle = self.shared.idle.lock();
         if ops != idle.ops {

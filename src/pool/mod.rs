@@ -644,7 +644,12 @@ impl PoolShared {
         let r = h.heap.alloc(len, align, stream.slot(), pending_ok);
         if h.heap.device_allocs != device_allocs {
             self.counters.grown.fetch_add(1, Relaxed);
-            self.flush_wanted.store(true, Relaxed);
+            // Grew while other streams sit on freed memory: have the
+            // maintenance step make it reusable by all (a single-stream
+            // workload never pays for this).
+            if h.heap.dirty_elsewhere(stream.slot()) > 0 {
+                self.flush_wanted.store(true, Relaxed);
+            }
             self.counters
                 .peak_reserved
                 .fetch_max(h.heap.reserved(), Relaxed);
