@@ -182,6 +182,34 @@ fn rw_access(cu: sys::CUdevice) -> sys::CUmemAccessDesc {
     }
 }
 
+/// Resolves `names` in the driver library (a typed [`Error::NoDriver`]
+/// naming the first one missing), catching cudarc's panic should the
+/// library vanish between the presence check and here.
+pub(crate) fn resolve_symbols(names: &[&str]) -> Result<()> {
+    let res = catch_unwind(AssertUnwindSafe(|| -> std::result::Result<(), String> {
+        // SAFETY: callers checked the library is present; culib() opens it
+        // once for the process (panicking, caught here, if it cannot).
+        let lib = unsafe { sys::culib() };
+        for name in names {
+            // SAFETY: the symbol is only looked up, never called through
+            // this pointer type; cudarc's bindings call it with the right
+            // signature later.
+            let sym = unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) };
+            if let Err(e) = sym {
+                return Err(format!("driver lacks {name}: {e}"));
+            }
+        }
+        Ok(())
+    }));
+    match res {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(msg)) => Err(Error::NoDriver(msg)),
+        Err(_) => Err(Error::NoDriver(
+            "the CUDA driver library (libcuda) could not be loaded".into(),
+        )),
+    }
+}
+
 impl CudaBackend {
     /// Whether the CUDA driver library (`libcuda.so`, `nvcuda.dll`) can be
     /// opened. Does not initialise the driver or look for devices.
@@ -256,31 +284,9 @@ impl CudaBackend {
         Ok(this)
     }
 
-    /// Resolves every symbol in [`REQUIRED_SYMBOLS`], catching cudarc's
-    /// panic should the library vanish between the presence check and here.
+    /// Resolves every symbol in [`REQUIRED_SYMBOLS`].
     fn load_symbols() -> Result<()> {
-        let res = catch_unwind(AssertUnwindSafe(|| -> std::result::Result<(), String> {
-            // SAFETY: the library was just found present; culib() opens it
-            // once for the process (panicking, caught here, if it cannot).
-            let lib = unsafe { sys::culib() };
-            for name in REQUIRED_SYMBOLS {
-                // SAFETY: the symbol is only looked up, never called through
-                // this pointer type; cudarc's bindings call it with the
-                // right signature later.
-                let sym = unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) };
-                if let Err(e) = sym {
-                    return Err(format!("driver lacks {name}: {e}"));
-                }
-            }
-            Ok(())
-        }));
-        match res {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(msg)) => Err(Error::NoDriver(msg)),
-            Err(_) => Err(Error::NoDriver(
-                "the CUDA driver library (libcuda) could not be loaded".into(),
-            )),
-        }
+        resolve_symbols(REQUIRED_SYMBOLS)
     }
 
     /// Reads the facts of device `cu` (its primary context is retained).

@@ -107,20 +107,7 @@ impl<'a> MovableBlock<'a> {
     /// enqueued there up to the free. A stream of another device is ignored
     /// with a warning.
     pub fn record_stream(&self, stream: &Stream) {
-        if stream.device() != self.pool.device() {
-            tracing::warn!(
-                "record_stream with a stream of device {} ignored",
-                stream.device()
-            );
-            return;
-        }
-        if stream.handle() == self.stream.handle() {
-            return;
-        }
-        let mut e = self.extra.lock();
-        if !e.contains(&stream.handle()) {
-            e.push(stream.handle());
-        }
+        crate::pool::record_extra_stream(self.pool.device(), self.stream, &self.extra, stream);
     }
 
     /// Pins the block for work on `stream` and returns its current address.

@@ -57,20 +57,7 @@ impl<'a> Block<'a> {
     /// work enqueued on that stream up to the free. A stream of another
     /// device is ignored with a warning (it cannot touch this memory).
     pub fn record_stream(&self, stream: &Stream) {
-        if stream.device() != self.pool.device() {
-            tracing::warn!(
-                "record_stream with a stream of device {} ignored",
-                stream.device()
-            );
-            return;
-        }
-        if stream.handle() == self.stream.handle() {
-            return;
-        }
-        let mut e = self.extra.lock();
-        if !e.contains(&stream.handle()) {
-            e.push(stream.handle());
-        }
+        record_extra_stream(self.pool.device(), self.stream, &self.extra, stream);
     }
 }
 
@@ -91,5 +78,31 @@ impl fmt::Debug for Block<'_> {
             .field("size", &self.size)
             .field("stream", &self.stream.handle())
             .finish()
+    }
+}
+
+/// `record_stream` of a block owned by `own` on device `dev`: adds
+/// `stream` to `extra` once, unless it is the owner; a stream of another
+/// device is ignored with a warning (it cannot touch this memory).
+/// Shared by [`Block`] and `MovableBlock`.
+pub(crate) fn record_extra_stream(
+    dev: usize,
+    own: &Stream,
+    extra: &Mutex<Vec<StreamHandle>>,
+    stream: &Stream,
+) {
+    if stream.device() != dev {
+        tracing::warn!(
+            "record_stream with a stream of device {} ignored",
+            stream.device()
+        );
+        return;
+    }
+    if stream.handle() == own.handle() {
+        return;
+    }
+    let mut e = extra.lock();
+    if !e.contains(&stream.handle()) {
+        e.push(stream.handle());
     }
 }

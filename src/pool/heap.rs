@@ -397,13 +397,22 @@ impl Heap {
         .ok()
     }
 
-    /// Free bytes tagged dirty on stream slots other than `slot`.
-    pub(crate) fn dirty_elsewhere(&self, slot: Option<u16>) -> u64 {
-        self.by_tag
-            .iter()
-            .filter(|(t, _)| matches!(t, Tag::Dirty(s) if Some(*s) != slot))
-            .map(|(_, set)| set.iter().map(|r| r.0).sum::<u64>())
-            .sum()
+    /// Whether free memory tagged dirty on stream slots other than `slot`
+    /// adds up to at least `bytes` (stops counting once it does).
+    pub(crate) fn dirty_elsewhere_at_least(&self, slot: Option<u16>, bytes: u64) -> bool {
+        let mut sum = 0;
+        for (t, set) in &self.by_tag {
+            if !matches!(t, Tag::Dirty(s) if Some(*s) != slot) {
+                continue;
+            }
+            for &(len, _) in set {
+                sum += len;
+                if sum >= bytes {
+                    return true;
+                }
+            }
+        }
+        bytes == 0
     }
 
     /// Takes `len` bytes at `align` from the best-fitting pending range
@@ -1123,13 +1132,7 @@ impl Heap {
                     Physical::Segments { .. } => unreachable!(),
                 };
                 for c in spare {
-                    match self.backend.release_chunk(self.dev, c) {
-                        Ok(()) => {
-                            self.reserved -= self.gran;
-                            self.device_frees += 1;
-                        }
-                        Err(e) => tracing::warn!(device = self.dev, "cuMemRelease failed: {e}"),
-                    }
+                    self.release_chunk(c);
                 }
             }
             Physical::Segments { segs } => {
@@ -1162,6 +1165,22 @@ impl Heap {
         before - self.reserved
     }
 
+    /// Gives one unmapped chunk back to the device. A chunk the driver
+    /// refuses stays held, on the spare list (it is still counted in
+    /// `reserved`), with a warning.
+    fn release_chunk(&mut self, c: ChunkHandle) {
+        match self.backend.release_chunk(self.dev, c) {
+            Ok(()) => {
+                self.reserved -= self.gran;
+                self.device_frees += 1;
+            }
+            Err(e) => {
+                tracing::warn!(device = self.dev, "cuMemRelease failed: {e}");
+                self.push_spare(c);
+            }
+        }
+    }
+
     /// Releases to the device the physical memory of idle, clean granules
     /// lying wholly inside `[lo, hi)` (the rest of the cache stays).
     /// Returns the bytes released.
@@ -1178,16 +1197,7 @@ impl Heap {
                 continue;
             }
             if let Some(c) = self.unmap_granule(g) {
-                match self.backend.release_chunk(self.dev, c) {
-                    Ok(()) => {
-                        self.reserved -= self.gran;
-                        self.device_frees += 1;
-                    }
-                    Err(e) => {
-                        tracing::warn!(device = self.dev, "cuMemRelease failed: {e}");
-                        self.push_spare(c);
-                    }
-                }
+                self.release_chunk(c);
             }
         }
         before - self.reserved

@@ -42,6 +42,7 @@ mod stats;
 mod stream;
 pub(crate) mod sync;
 
+pub(crate) use block::record_extra_stream;
 pub use block::Block;
 pub use maintain::MaintainReport;
 pub use size_class::{SizeClasses, ALIGN};
@@ -539,33 +540,31 @@ impl PoolShared {
 
     fn alloc_large(&self, len: u64, live: LargeLive, stream: &Stream) -> Result<u64> {
         let size = live.requested;
+        let keep = |h: &mut HeapState, addr: u64| {
+            h.large.insert(addr, live);
+            Ok(addr)
+        };
         {
             let mut h = self.heap.lock();
             if let Some(addr) = stream.slot().and_then(|s| h.exact.take(s, len)) {
-                h.large.insert(addr, live);
-                return Ok(addr);
+                return keep(&mut h, addr);
             }
             if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
-                h.large.insert(t.addr, live);
-                return Ok(t.addr);
+                return keep(&mut h, t.addr);
             }
             Self::unpark(&mut h);
             if self.pending.is_empty() {
-                match self.heap_alloc(&mut h, len, ALIGN, stream, false) {
-                    Ok(t) => {
-                        h.large.insert(t.addr, live);
-                        return Ok(t.addr);
-                    }
-                    Err(e) if !e.is_oom() => return Err(e),
-                    Err(_) => {}
+                if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, false)? {
+                    return keep(&mut h, t.addr);
                 }
             }
         }
-        let dirty_elsewhere = {
+        let flush_others = {
             let h = self.heap.lock();
-            h.heap.dirty_elsewhere(stream.slot()) + h.exact.bytes
+            h.heap
+                .dirty_elsewhere_at_least(stream.slot(), len.saturating_sub(h.exact.bytes))
         };
-        if dirty_elsewhere >= len {
+        if flush_others {
             // Other streams hold enough freed memory: flush it (one event
             // per stream, no host wait) instead of growing; the handover
             // below orders this stream after those events.
@@ -580,39 +579,42 @@ impl PoolShared {
             self.harvest();
             let mut h = self.heap.lock();
             if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
-                h.large.insert(t.addr, live);
-                return Ok(t.addr);
+                return keep(&mut h, t.addr);
             }
             match self.handover_backed(&mut h, len, ALIGN, stream) {
-                Some(Ok(t)) => {
-                    h.large.insert(t.addr, live);
-                    return Ok(t.addr);
-                }
+                Some(Ok(t)) => return keep(&mut h, t.addr),
                 Some(Err(e)) if !e.is_oom() => return Err(e),
                 _ => {}
             }
-            match self.heap_alloc(&mut h, len, ALIGN, stream, false) {
-                Ok(t) => {
-                    h.large.insert(t.addr, live);
-                    return Ok(t.addr);
-                }
-                Err(e) if !e.is_oom() => return Err(e),
-                Err(_) => {}
+            if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, false)? {
+                return keep(&mut h, t.addr);
             }
         }
         self.counters.retries.fetch_add(1, Relaxed);
         self.harvest();
         self.reclaim();
         let mut h = self.heap.lock();
-        match self.heap_alloc(&mut h, len, ALIGN, stream, self.cfg.handover) {
-            Ok(t) => {
-                h.large.insert(t.addr, live);
-                Ok(t.addr)
-            }
-            Err(e) if e.is_oom() => {
+        match self.heap_alloc_or_oom(&mut h, len, stream, self.cfg.handover)? {
+            Some(t) => keep(&mut h, t.addr),
+            None => {
                 drop(h);
                 Err(self.oom(size))
             }
+        }
+    }
+
+    /// [`PoolShared::heap_alloc`] for a large block, with out of memory as
+    /// `None` (the caller tries harder) and other errors passed on.
+    fn heap_alloc_or_oom(
+        &self,
+        h: &mut HeapState,
+        len: u64,
+        stream: &Stream,
+        pending_ok: bool,
+    ) -> Result<Option<heap::Taken>> {
+        match self.heap_alloc(h, len, ALIGN, stream, pending_ok) {
+            Ok(t) => Ok(Some(t)),
+            Err(e) if e.is_oom() => Ok(None),
             Err(e) => Err(e),
         }
     }
@@ -647,7 +649,7 @@ impl PoolShared {
             // Grew while other streams sit on freed memory: have the
             // maintenance step make it reusable by all (a single-stream
             // workload never pays for this).
-            if h.heap.dirty_elsewhere(stream.slot()) > 0 {
+            if h.heap.dirty_elsewhere_at_least(stream.slot(), 1) {
                 self.flush_wanted.store(true, Relaxed);
             }
             self.counters

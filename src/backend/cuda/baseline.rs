@@ -12,11 +12,10 @@
 //! calls them), so they are resolved here first and a driver without them
 //! gives a typed error.
 
-use super::{check, stream_of, CudaBackend};
-use crate::error::{Error, Result};
+use super::{check, resolve_symbols, stream_of, CudaBackend};
+use crate::error::Result;
 use crate::ptr::{DevicePtr, StreamHandle};
 use cudarc::driver::sys;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 const ASYNC_SYMBOLS: &[&str] = &["cuMemAllocAsync", "cuMemFreeAsync"];
@@ -49,7 +48,7 @@ impl CudaBackend {
         bytes: u64,
         iters: u32,
     ) -> Result<Duration> {
-        resolve(ASYNC_SYMBOLS)?;
+        resolve_symbols(ASYNC_SYMBOLS)?;
         self.enter(dev)?;
         let s = stream_of(stream);
         let start = Instant::now();
@@ -98,29 +97,5 @@ impl CudaBackend {
             sys::cuStreamSynchronize(s)
         })?;
         Ok(start.elapsed())
-    }
-}
-
-/// Resolves `names` in the driver library, as `load_symbols` does for the
-/// required ones.
-fn resolve(names: &[&str]) -> Result<()> {
-    let res = catch_unwind(AssertUnwindSafe(|| -> std::result::Result<(), String> {
-        // SAFETY: only reached through a constructed CudaBackend, so the
-        // library is loaded; symbols are looked up, not called, here.
-        let lib = unsafe { sys::culib() };
-        for name in names {
-            // SAFETY: lookup only; cudarc calls it with the right type later.
-            if let Err(e) = unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) } {
-                return Err(format!("driver lacks {name}: {e}"));
-            }
-        }
-        Ok(())
-    }));
-    match res {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(msg)) => Err(Error::NoDriver(msg)),
-        Err(_) => Err(Error::NoDriver(
-            "the CUDA driver library could not be loaded".into(),
-        )),
     }
 }
