@@ -23,6 +23,7 @@
 
 use super::fenwick::Fenwick;
 use super::size_class::ALIGN;
+use super::size_index::SizeIndex;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::ptr::{ChunkHandle, DevicePtr};
@@ -99,7 +100,7 @@ pub(crate) struct Heap {
     gran: u64,
     phys: Physical,
     by_addr: BTreeMap<u64, FreeRange>,
-    by_tag: FxHashMap<Tag, BTreeSet<(u64, u64)>>,
+    by_tag: FxHashMap<Tag, SizeIndex>,
     /// Allocated ranges: addr -> len.
     allocated: FxHashMap<u64, u64>,
     reserved: u64,
@@ -211,14 +212,14 @@ impl Heap {
 
     fn index_insert(&mut self, addr: u64, r: FreeRange) {
         self.by_addr.insert(addr, r);
-        self.by_tag.entry(r.tag).or_default().insert((r.len, addr));
+        self.by_tag.entry(r.tag).or_default().insert(r.len, addr);
     }
 
     fn index_remove(&mut self, addr: u64) -> FreeRange {
         let r = self.by_addr.remove(&addr).expect("free range exists");
         let set = self.by_tag.get_mut(&r.tag).expect("tag set exists");
-        set.remove(&(r.len, addr));
-        if set.is_empty() && r.tag != Tag::Clean {
+        set.remove(r.len, addr);
+        if set.is_empty() && matches!(r.tag, Tag::Pending(_)) {
             self.by_tag.remove(&r.tag);
         }
         r
@@ -259,19 +260,19 @@ impl Heap {
         let set = self.by_tag.entry(tag).or_default();
         let mut total = len;
         if let Some(nlen) = next {
-            set.remove(&(nlen, addr + len));
+            set.remove(nlen, addr + len);
             total += nlen;
         }
         if let Some((&pa, pr)) = self.by_addr.range_mut(..addr).next_back() {
             if pa + pr.len == addr && pr.tag == tag && Self::same_segment_in(&self.phys, pa, addr) {
-                set.remove(&(pr.len, pa));
+                set.remove(pr.len, pa);
                 pr.len += total;
-                set.insert((pr.len, pa));
+                set.insert(pr.len, pa);
                 return;
             }
         }
         self.by_addr.insert(addr, FreeRange { len: total, tag });
-        set.insert((total, addr));
+        set.insert(total, addr);
     }
 
     /// Best fit for `len` bytes at `align` among ranges tagged `tag`:
@@ -279,7 +280,7 @@ impl Heap {
     fn best_in(&self, tag: Tag, len: u64, align: u64) -> Option<(u64, u64)> {
         let set = self.by_tag.get(&tag)?;
         let mut tried = 0;
-        for &(rlen, raddr) in set.range((len, 0)..) {
+        for (rlen, raddr) in set.at_least(len) {
             let start = align_up(raddr, align);
             if start + len <= raddr + rlen {
                 return Some((rlen, raddr));
@@ -288,7 +289,7 @@ impl Heap {
             if tried > 64 {
                 // Only aligned (slab) requests get here; a range that large
                 // always fits.
-                return set.range((len + align, 0)..).next().copied();
+                return set.at_least(len + align).next();
             }
         }
         None
@@ -303,16 +304,39 @@ impl Heap {
     /// `(range len, range addr, start)`.
     fn place(&self, slot: Option<u16>, len: u64, align: u64) -> Option<(u64, u64, u64)> {
         const WIDTH: usize = 8;
-        // On the stack: this runs for every large allocation.
+        let fits = |r: &(u64, u64)| align_up(r.1, align) + len <= r.1 + r.0;
+        // Blocks smaller than a granule go to the high end of a range and
+        // larger ones to the low end, so that small blocks collect together
+        // instead of pinning granules between large ones.
+        let high = len < self.gran;
+        let at = |rlen: u64, raddr: u64| {
+            let lo = align_up(raddr, align);
+            if high {
+                ((raddr + rlen - len) / align * align).max(lo)
+            } else {
+                lo
+            }
+        };
+        // The common case first: the best fit is fully backed, and no other
+        // candidate can beat it, so the wider search below is not needed.
+        let first = |tag: Tag| self.by_tag.get(&tag)?.at_least(len).find(fits);
+        let best_fit = match (first(Tag::Clean), slot.and_then(|s| first(Tag::Dirty(s)))) {
+            (Some(c), Some(d)) => Some(c.min(d)),
+            (c, d) => c.or(d),
+        };
+        if let Some((rlen, raddr)) = best_fit {
+            let start = at(rlen, raddr);
+            if self.unbacked(start, len) == 0 {
+                return Some((rlen, raddr, start));
+            }
+        }
+        // On the stack: this runs for every large allocation that needs
+        // new physical memory.
         let mut buf = [(0u64, 0u64); 2 * WIDTH];
         let mut n = 0;
         let mut gather = |tag: Tag| {
             if let Some(set) = self.by_tag.get(&tag) {
-                for &r in set
-                    .range((len, 0)..)
-                    .filter(|r| align_up(r.1, align) + len <= r.1 + r.0)
-                    .take(WIDTH)
-                {
+                for r in set.at_least(len).filter(fits).take(WIDTH) {
                     buf[n] = r;
                     n += 1;
                 }
@@ -336,23 +360,6 @@ impl Heap {
         }
         ranges.sort_unstable();
         let ranges = &ranges[..ranges.len().min(WIDTH)];
-        // Blocks smaller than a granule go to the high end of a range and
-        // larger ones to the low end, so that small blocks collect together
-        // instead of pinning granules between large ones.
-        let high = len < self.gran;
-        let at = |rlen: u64, raddr: u64| {
-            let lo = align_up(raddr, align);
-            if high {
-                ((raddr + rlen - len) / align * align).max(lo)
-            } else {
-                lo
-            }
-        };
-        let (rlen, raddr) = ranges[0];
-        let first = at(rlen, raddr);
-        if self.unbacked(first, len) == 0 {
-            return Some((rlen, raddr, first));
-        }
         let mut best: Option<(u64, u64, u64, u64)> = None; // (cost, rlen, raddr, start)
         for &(rlen, raddr) in ranges {
             let lo = align_up(raddr, align);
@@ -398,21 +405,15 @@ impl Heap {
     }
 
     /// Whether free memory tagged dirty on stream slots other than `slot`
-    /// adds up to at least `bytes` (stops counting once it does).
+    /// adds up to at least `bytes`.
     pub(crate) fn dirty_elsewhere_at_least(&self, slot: Option<u16>, bytes: u64) -> bool {
-        let mut sum = 0;
-        for (t, set) in &self.by_tag {
-            if !matches!(t, Tag::Dirty(s) if Some(*s) != slot) {
-                continue;
-            }
-            for &(len, _) in set {
-                sum += len;
-                if sum >= bytes {
-                    return true;
-                }
-            }
-        }
-        bytes == 0
+        let sum: u64 = self
+            .by_tag
+            .iter()
+            .filter(|(t, _)| matches!(t, Tag::Dirty(s) if Some(*s) != slot))
+            .map(|(_, set)| set.bytes())
+            .sum();
+        sum >= bytes
     }
 
     /// Takes `len` bytes at `align` from the best-fitting pending range
@@ -433,9 +434,8 @@ impl Heap {
             .iter()
             .filter(|(t, _)| matches!(t, Tag::Pending(id) if usable(*id)))
             .filter_map(|(_, set)| {
-                set.range((len, 0)..)
+                set.at_least(len)
                     .find(|r| align_up(r.1, align) + len <= r.1 + r.0)
-                    .copied()
             })
             .filter(|&(_, raddr)| self.unbacked(align_up(raddr, align), len) == 0)
             .min()?;
@@ -532,14 +532,14 @@ impl Heap {
             );
         }
         let set = self.by_tag.get_mut(&r.tag).expect("tag set exists");
-        set.remove(&(rlen, raddr));
+        set.remove(rlen, raddr);
         if head > 0 {
-            set.insert((head, raddr));
+            set.insert(head, raddr);
         }
         if tail > 0 {
-            set.insert((tail, start + len));
+            set.insert(tail, start + len);
         }
-        if set.is_empty() && r.tag != Tag::Clean {
+        if set.is_empty() && matches!(r.tag, Tag::Pending(_)) {
             self.by_tag.remove(&r.tag);
         }
         r
@@ -1083,12 +1083,17 @@ impl Heap {
     /// group id and its bytes, or `None` if the slot had nothing dirty.
     pub(crate) fn flush_dirty(&mut self, slot: u16) -> Option<(u32, u64)> {
         let set = self.by_tag.remove(&Tag::Dirty(slot))?;
+        if set.is_empty() {
+            // Emptied dirty sets stay indexed (a busy stream fills them
+            // again); put it back.
+            self.by_tag.insert(Tag::Dirty(slot), set);
+            return None;
+        }
         let id = self.next_pending;
         self.next_pending = self.next_pending.wrapping_add(1);
-        let mut bytes = 0;
-        for &(len, addr) in &set {
+        let bytes = set.bytes();
+        for (_, addr) in set.iter() {
             self.by_addr.get_mut(&addr).expect("indexed").tag = Tag::Pending(id);
-            bytes += len;
         }
         self.by_tag.insert(Tag::Pending(id), set);
         Some((id, bytes))
@@ -1106,7 +1111,7 @@ impl Heap {
         let Some(set) = self.by_tag.remove(&Tag::Pending(id)) else {
             return;
         };
-        for (_, addr) in set {
+        for (_, addr) in set.iter() {
             let r = self.by_addr.remove(&addr).expect("indexed");
             self.insert_free(addr, r.len, Tag::Clean);
         }
@@ -1373,7 +1378,7 @@ impl Heap {
             .collect();
         for t in pend {
             if let Some(set) = self.by_tag.remove(&t) {
-                for (_, addr) in set {
+                for (_, addr) in set.iter() {
                     let r = self.by_addr.remove(&addr).expect("indexed");
                     self.insert_free(addr, r.len, Tag::Clean);
                 }

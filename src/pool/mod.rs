@@ -34,6 +34,7 @@ mod pending;
 mod reclaim;
 mod release;
 mod size_class;
+mod size_index;
 mod slab_index;
 mod small;
 mod snapshot;

@@ -1,0 +1,294 @@
+//! Free ranges of one tag ordered by `(len, addr)`: the heap's best-fit
+//! index.
+//!
+//! A single ordered set over every free range costs a full-depth tree
+//! descent for each insert, removal and search, and the large path does
+//! several per allocation. Here the ranges are split into size bins, TLSF
+//! style (sixteen bins per power of two, so each bin spans at most 1/16 of
+//! its sizes), each bin a small ordered set, with a bitmap of non-empty
+//! bins. Every range of bin `i` is shorter than every range of bin `j > i`,
+//! so walking the bins in order and each bin in order visits the ranges in
+//! exactly the order of one global set: best fit stays exact (smallest
+//! length, then lowest address), only cheaper. A search jumps to the first
+//! non-empty bin with one bit scan; inserts and removals touch one small
+//! tree.
+//!
+//! Small indexes (most pending groups hold a handful of ranges) stay one
+//! plain set and switch to bins once they hold [`BIN_AT`] ranges, so an
+//! index costs nothing but its set until it is busy.
+
+use std::collections::btree_set::{self, BTreeSet};
+
+/// Bits of the length below its leading one that pick the bin.
+const SUB_BITS: u32 = 4;
+const SUB: usize = 1 << SUB_BITS;
+/// Bins for every `u64` length: 16 for lengths under 16, then 16 per power
+/// of two.
+const BINS: usize = (64 - SUB_BITS as usize + 1) * SUB;
+const WORDS: usize = BINS.div_ceil(64);
+/// Ranges at which a plain set switches to bins.
+const BIN_AT: usize = 64;
+
+/// The bin of ranges of `len` bytes; non-decreasing in `len`.
+#[inline]
+fn bin_of(len: u64) -> usize {
+    if len < SUB as u64 {
+        return len as usize;
+    }
+    let fl = 63 - len.leading_zeros();
+    let sub = (len >> (fl - SUB_BITS)) as usize & (SUB - 1);
+    ((fl - SUB_BITS + 1) as usize) * SUB + sub
+}
+
+/// Size bins with a bitmap of the non-empty ones.
+#[derive(Debug, Clone)]
+struct Bins {
+    bins: Vec<BTreeSet<(u64, u64)>>,
+    nonempty: [u64; WORDS],
+}
+
+impl Bins {
+    fn new() -> Bins {
+        Bins {
+            bins: vec![BTreeSet::new(); BINS],
+            nonempty: [0; WORDS],
+        }
+    }
+
+    /// The first non-empty bin at or after `b`.
+    #[inline]
+    fn next_nonempty(&self, b: usize) -> Option<usize> {
+        let mut w = b / 64;
+        if w >= WORDS {
+            return None;
+        }
+        let mut word = self.nonempty[w] & (!0u64 << (b % 64));
+        loop {
+            if word != 0 {
+                return Some(w * 64 + word.trailing_zeros() as usize);
+            }
+            w += 1;
+            if w == WORDS {
+                return None;
+            }
+            word = self.nonempty[w];
+        }
+    }
+
+    #[inline]
+    fn insert(&mut self, r: (u64, u64)) -> bool {
+        let b = bin_of(r.0);
+        self.nonempty[b / 64] |= 1 << (b % 64);
+        self.bins[b].insert(r)
+    }
+
+    #[inline]
+    fn remove(&mut self, r: (u64, u64)) -> bool {
+        let b = bin_of(r.0);
+        let set = &mut self.bins[b];
+        let hit = set.remove(&r);
+        if set.is_empty() {
+            self.nonempty[b / 64] &= !(1 << (b % 64));
+        }
+        hit
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Repr {
+    Plain(BTreeSet<(u64, u64)>),
+    Binned(Box<Bins>),
+}
+
+/// Free ranges `(len, addr)` of one tag, iterated in `(len, addr)` order.
+#[derive(Debug, Clone)]
+pub(crate) struct SizeIndex {
+    repr: Repr,
+    count: usize,
+    bytes: u64,
+}
+
+impl Default for SizeIndex {
+    fn default() -> Self {
+        SizeIndex {
+            repr: Repr::Plain(BTreeSet::new()),
+            count: 0,
+            bytes: 0,
+        }
+    }
+}
+
+impl SizeIndex {
+    /// Adds range `(len, addr)`.
+    #[inline]
+    pub(crate) fn insert(&mut self, len: u64, addr: u64) {
+        let added = match &mut self.repr {
+            Repr::Plain(set) => set.insert((len, addr)),
+            Repr::Binned(b) => b.insert((len, addr)),
+        };
+        debug_assert!(added, "range {addr:#x} indexed twice");
+        self.count += 1;
+        self.bytes += len;
+        if self.count == BIN_AT {
+            if let Repr::Plain(set) = &mut self.repr {
+                let mut bins = Box::new(Bins::new());
+                for r in std::mem::take(set) {
+                    bins.insert(r);
+                }
+                self.repr = Repr::Binned(bins);
+            }
+        }
+    }
+
+    /// Removes range `(len, addr)`; whether it was there.
+    #[inline]
+    pub(crate) fn remove(&mut self, len: u64, addr: u64) -> bool {
+        let hit = match &mut self.repr {
+            Repr::Plain(set) => set.remove(&(len, addr)),
+            Repr::Binned(b) => b.remove((len, addr)),
+        };
+        if hit {
+            self.count -= 1;
+            self.bytes -= len;
+        }
+        hit
+    }
+
+    /// Ranges held.
+    pub(crate) fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Whether no range is held.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Bytes of the ranges held.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Ranges of at least `len` bytes, shortest first (then lowest address).
+    #[inline]
+    pub(crate) fn at_least(&self, len: u64) -> Iter<'_> {
+        match &self.repr {
+            Repr::Plain(set) => Iter {
+                bins: None,
+                bin: 0,
+                cur: Cursor::From(set.range((len, 0)..)),
+            },
+            Repr::Binned(b) => {
+                let first = bin_of(len);
+                Iter {
+                    bins: Some(b),
+                    bin: first,
+                    cur: Cursor::From(b.bins[first].range((len, 0)..)),
+                }
+            }
+        }
+    }
+
+    /// Every range, shortest first.
+    pub(crate) fn iter(&self) -> Iter<'_> {
+        self.at_least(0)
+    }
+}
+
+/// Iterator of [`SizeIndex::at_least`].
+pub(crate) struct Iter<'a> {
+    bins: Option<&'a Bins>,
+    bin: usize,
+    /// The part of the current bin still to visit.
+    cur: Cursor<'a>,
+}
+
+enum Cursor<'a> {
+    /// The first bin, from the requested length on.
+    From(btree_set::Range<'a, (u64, u64)>),
+    /// A later bin, whole (every range in it is long enough).
+    Whole(btree_set::Iter<'a, (u64, u64)>),
+    Done,
+}
+
+impl Iterator for Iter<'_> {
+    type Item = (u64, u64);
+
+    #[inline]
+    fn next(&mut self) -> Option<(u64, u64)> {
+        loop {
+            let hit = match &mut self.cur {
+                Cursor::From(r) => r.next(),
+                Cursor::Whole(i) => i.next(),
+                Cursor::Done => return None,
+            };
+            if let Some(r) = hit {
+                return Some(*r);
+            }
+            let next = self.bins.and_then(|b| b.next_nonempty(self.bin + 1));
+            self.cur = match (self.bins, next) {
+                (Some(bins), Some(b)) => {
+                    self.bin = b;
+                    Cursor::Whole(bins.bins[b].iter())
+                }
+                _ => Cursor::Done,
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn bins_are_monotonic_and_fine() {
+        let mut last = 0;
+        for len in (1..5000u64).chain((13..64).map(|s| 1u64 << s)) {
+            let b = bin_of(len);
+            assert!(b >= last, "bin of {len} went down");
+            assert!(b < BINS);
+            last = b;
+        }
+        assert_eq!(bin_of(u64::MAX), BINS - 1);
+        // One bin spans at most 1/16 of its lengths.
+        assert_ne!(bin_of(1 << 20), bin_of((1 << 20) + (1 << 16)));
+        assert_eq!(bin_of(1 << 20), bin_of((1 << 20) + (1 << 16) - 1));
+    }
+
+    proptest! {
+        /// The index iterates exactly like one ordered set, in both
+        /// representations (the sequence crosses the switch to bins).
+        #[test]
+        fn behaves_like_one_ordered_set(
+            ops in proptest::collection::vec((any::<bool>(), 1u64..1 << 26, 0u64..400), 1..600),
+            probe in 1u64..1 << 26,
+        ) {
+            let mut idx = SizeIndex::default();
+            let mut model = BTreeSet::new();
+            for (ins, len, a) in ops {
+                let len = len.next_power_of_two() >> (a % 3) | (a % 7);
+                let r = (len.max(1), a * 4096);
+                if ins && !model.contains(&r) {
+                    model.insert(r);
+                    idx.insert(r.0, r.1);
+                } else if !ins {
+                    let first = model.iter().nth((a as usize) % model.len().max(1)).copied();
+                    if let Some(f) = first {
+                        model.remove(&f);
+                        prop_assert!(idx.remove(f.0, f.1));
+                    }
+                    prop_assert!(!idx.remove(1, u64::MAX));
+                }
+                prop_assert_eq!(idx.len(), model.len());
+            }
+            let want: Vec<_> = model.range((probe, 0)..).copied().collect();
+            let got: Vec<_> = idx.at_least(probe).collect();
+            prop_assert_eq!(got, want);
+            let all: Vec<_> = idx.iter().collect();
+            prop_assert_eq!(all, model.iter().copied().collect::<Vec<_>>());
+            prop_assert_eq!(idx.bytes(), model.iter().map(|r| r.0).sum::<u64>());
+        }
+    }
+}
