@@ -21,6 +21,7 @@
 //! range (stitching): a large request is served whenever enough physical
 //! memory is held, whatever the layout.
 
+use super::addr_index::{AddrIndex, Span};
 use super::fenwick::Fenwick;
 use super::size_class::ALIGN;
 use super::size_index::SizeIndex;
@@ -42,11 +43,8 @@ pub(crate) enum Tag {
     Pending(u32),
 }
 
-#[derive(Debug, Clone, Copy)]
-struct FreeRange {
-    len: u64,
-    tag: Tag,
-}
+/// A free range's length and tag.
+type FreeRange = Span<Tag>;
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Granule {
@@ -99,7 +97,7 @@ pub(crate) struct Heap {
     backend: Arc<dyn Backend>,
     gran: u64,
     phys: Physical,
-    by_addr: BTreeMap<u64, FreeRange>,
+    by_addr: AddrIndex<Tag>,
     by_tag: FxHashMap<Tag, SizeIndex>,
     /// Allocated ranges: addr -> len.
     allocated: FxHashMap<u64, u64>,
@@ -165,7 +163,7 @@ impl Heap {
             phys: Physical::Segments {
                 segs: BTreeMap::new(),
             },
-            by_addr: BTreeMap::new(),
+            by_addr: AddrIndex::default(),
             by_tag: FxHashMap::default(),
             allocated: FxHashMap::default(),
             reserved: 0,
@@ -216,7 +214,7 @@ impl Heap {
     }
 
     fn index_remove(&mut self, addr: u64) -> FreeRange {
-        let r = self.by_addr.remove(&addr).expect("free range exists");
+        let r = self.by_addr.remove(addr).expect("free range exists");
         let set = self.by_tag.get_mut(&r.tag).expect("tag set exists");
         set.remove(r.len, addr);
         if set.is_empty() && matches!(r.tag, Tag::Pending(_)) {
@@ -241,21 +239,21 @@ impl Heap {
         }
     }
 
-    /// Inserts a free range and merges it with equal-tag neighbours. A
-    /// merge with the range before extends that entry in place, so the
-    /// common cases cost one address lookup per neighbour and one size-set
-    /// update per range touched.
+    /// Inserts a free range and merges it with equal-tag neighbours. Both
+    /// neighbours are found by exact lookups (the one after by its start,
+    /// the one before by its end), and a merge with the range before
+    /// extends that entry in place.
     fn insert_free(&mut self, addr: u64, len: u64, tag: Tag) {
         if len == 0 {
             return;
         }
         let next = self
             .by_addr
-            .get(&(addr + len))
+            .get(addr + len)
             .filter(|nr| nr.tag == tag && Self::same_segment_in(&self.phys, addr, addr + len))
             .map(|nr| nr.len);
         if next.is_some() {
-            self.by_addr.remove(&(addr + len));
+            self.by_addr.remove(addr + len);
         }
         let set = self.by_tag.entry(tag).or_default();
         let mut total = len;
@@ -263,11 +261,12 @@ impl Heap {
             set.remove(nlen, addr + len);
             total += nlen;
         }
-        if let Some((&pa, pr)) = self.by_addr.range_mut(..addr).next_back() {
-            if pa + pr.len == addr && pr.tag == tag && Self::same_segment_in(&self.phys, pa, addr) {
+        if let Some(pa) = self.by_addr.start_of_range_ending_at(addr) {
+            let pr = self.by_addr.get(pa).expect("indexed by its end");
+            if pr.tag == tag && Self::same_segment_in(&self.phys, pa, addr) {
                 set.remove(pr.len, pa);
-                pr.len += total;
-                set.insert(pr.len, pa);
+                set.insert(pr.len + total, pa);
+                self.by_addr.set_len(pa, pr.len + total);
                 return;
             }
         }
@@ -449,11 +448,25 @@ impl Heap {
     /// Granules of `[start, start+len)` with no physical memory (0 in
     /// segment mode, where free memory is always backed).
     fn unbacked(&self, start: u64, len: u64) -> u64 {
-        let Physical::Vmm { base, mapped, .. } = &self.phys else {
+        let Physical::Vmm {
+            base,
+            mapped,
+            granules,
+            ..
+        } = &self.phys
+        else {
             return 0;
         };
         let first = ((start - base) / self.gran) as usize;
         let last = ((start + len - 1 - base) / self.gran) as usize;
+        // Most blocks span a granule or two: look at them directly; the
+        // Fenwick tree answers for long spans in O(log n).
+        if last - first < 4 {
+            return granules[first..=last]
+                .iter()
+                .filter(|g| g.chunk.is_none())
+                .count() as u64;
+        }
         (last - first + 1) as u64 - mapped.range(first, last) as u64
     }
 
@@ -514,13 +527,12 @@ impl Heap {
     /// entry, resized in place.
     fn split_free(&mut self, raddr: u64, rlen: u64, start: u64, len: u64) -> FreeRange {
         let (head, tail) = (start - raddr, raddr + rlen - start - len);
-        let entry = self.by_addr.get_mut(&raddr).expect("free range exists");
-        debug_assert_eq!(entry.len, rlen);
-        let r = *entry;
+        let r = self.by_addr.get(raddr).expect("free range exists");
+        debug_assert_eq!(r.len, rlen);
         if head > 0 {
-            entry.len = head;
+            self.by_addr.set_len(raddr, head);
         } else {
-            self.by_addr.remove(&raddr);
+            self.by_addr.remove(raddr);
         }
         if tail > 0 {
             self.by_addr.insert(
@@ -604,16 +616,11 @@ impl Heap {
 
     /// Gives the free memory in `[lo, hi)` the tag `tag`.
     fn retag(&mut self, lo: u64, hi: u64, tag: Tag) {
-        let first = self
-            .by_addr
-            .range(..=lo)
-            .next_back()
-            .map_or(lo, |(&a, _)| a);
+        let first = self.by_addr.at_or_before(lo).map_or(lo, |(a, _)| a);
         let hits: Vec<(u64, FreeRange)> = self
             .by_addr
-            .range(first..hi)
-            .filter(|(&a, r)| a + r.len > lo)
-            .map(|(&a, &r)| (a, r))
+            .starting_in(first, hi)
+            .filter(|(a, r)| a + r.len > lo)
             .collect();
         for (a, r) in hits {
             if r.tag == tag {
@@ -824,14 +831,14 @@ impl Heap {
             *base + (g as u64 + 1) * self.gran,
         );
         let mut out = Vec::new();
-        let (&a, r) = self.by_addr.range(..=gs).next_back()?;
+        let (a, r) = self.by_addr.at_or_before(gs)?;
         if a + r.len <= gs {
             return None;
         }
         out.push((a, r.len, r.tag));
         let mut cursor = a + r.len;
         while cursor < ge {
-            let r = self.by_addr.get(&cursor)?;
+            let r = self.by_addr.get(cursor)?;
             out.push((cursor, r.len, r.tag));
             cursor += r.len;
         }
@@ -1060,7 +1067,7 @@ impl Heap {
 
     /// Whether `addr` lies in free memory of the heap.
     pub(crate) fn is_free(&self, addr: u64) -> bool {
-        matches!(self.by_addr.range(..=addr).next_back(), Some((&a, r)) if addr < a + r.len)
+        matches!(self.by_addr.at_or_before(addr), Some((a, r)) if addr < a + r.len)
     }
 
     /// Returns an allocated range with `tag`.
@@ -1093,7 +1100,7 @@ impl Heap {
         self.next_pending = self.next_pending.wrapping_add(1);
         let bytes = set.bytes();
         for (_, addr) in set.iter() {
-            self.by_addr.get_mut(&addr).expect("indexed").tag = Tag::Pending(id);
+            self.by_addr.set_tag(addr, Tag::Pending(id));
         }
         self.by_tag.insert(Tag::Pending(id), set);
         Some((id, bytes))
@@ -1112,7 +1119,7 @@ impl Heap {
             return;
         };
         for (_, addr) in set.iter() {
-            let r = self.by_addr.remove(&addr).expect("indexed");
+            let r = self.by_addr.remove(addr).expect("indexed");
             self.insert_free(addr, r.len, Tag::Clean);
         }
     }
@@ -1143,7 +1150,7 @@ impl Heap {
             Physical::Segments { segs } => {
                 let free: Vec<(u64, u64)> = segs
                     .iter()
-                    .filter(|(b, l)| matches!(self.by_addr.get(b), Some(r) if r.tag == Tag::Clean && r.len == **l))
+                    .filter(|(b, l)| matches!(self.by_addr.get(**b), Some(r) if r.tag == Tag::Clean && r.len == **l))
                     .map(|(b, l)| (*b, *l))
                     .collect();
                 for (b, l) in free {
@@ -1214,7 +1221,7 @@ impl Heap {
     pub(crate) fn largest_free(&self) -> u64 {
         let mut best = 0;
         let mut longest_range = 0;
-        for (&a, r) in &self.by_addr {
+        for (a, r) in self.by_addr.iter() {
             if matches!(r.tag, Tag::Pending(_)) {
                 continue;
             }
@@ -1239,7 +1246,7 @@ impl Heap {
             allocated: self.allocated_bytes,
             ..Default::default()
         };
-        for (&addr, r) in &self.by_addr {
+        for (addr, r) in self.by_addr.iter() {
             let mapped = self.mapped_bytes_in(addr, r.len);
             match r.tag {
                 Tag::Clean => f.free_clean += mapped,
@@ -1265,8 +1272,11 @@ impl Heap {
         let mut spans: Vec<(u64, u64, Option<Tag>)> = self
             .by_addr
             .iter()
-            .map(|(&a, r)| (a, r.len, Some(r.tag)))
+            .map(|(a, r)| (a, r.len, Some(r.tag)))
             .collect();
+        if !self.by_addr.consistent() {
+            return Err("address index: start, end and order maps disagree".into());
+        }
         spans.extend(self.allocated.iter().map(|(&a, &l)| (a, l, None)));
         if let Physical::Vmm {
             base, quarantine, ..
@@ -1379,7 +1389,7 @@ impl Heap {
         for t in pend {
             if let Some(set) = self.by_tag.remove(&t) {
                 for (_, addr) in set.iter() {
-                    let r = self.by_addr.remove(&addr).expect("indexed");
+                    let r = self.by_addr.remove(addr).expect("indexed");
                     self.insert_free(addr, r.len, Tag::Clean);
                 }
             }
@@ -1412,7 +1422,7 @@ impl Heap {
             .iter()
             .map(|(&a, &l)| (a, l, Piece::Allocated))
             .collect();
-        for (&a, r) in &self.by_addr {
+        for (a, r) in self.by_addr.iter() {
             for (s, l) in self.mapped_parts(a, r.len) {
                 items.push((s, l, Piece::Free(r.tag)));
             }

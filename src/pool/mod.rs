@@ -19,6 +19,7 @@
 //! events are only queried, and cross-stream reuse is ordered on the device
 //! with `cuStreamWaitEvent`.
 
+mod addr_index;
 mod block;
 mod compact_hooks;
 mod exact;

@@ -5,19 +5,19 @@
 //! descent for each insert, removal and search, and the large path does
 //! several per allocation. Here the ranges are split into size bins, TLSF
 //! style (sixteen bins per power of two, so each bin spans at most 1/16 of
-//! its sizes), each bin a small ordered set, with a bitmap of non-empty
-//! bins. Every range of bin `i` is shorter than every range of bin `j > i`,
-//! so walking the bins in order and each bin in order visits the ranges in
+//! its sizes), each bin a sorted vector, with a bitmap of non-empty bins.
+//! Every range of bin `i` is shorter than every range of bin `j > i`, so
+//! walking the bins in order and each bin in order visits the ranges in
 //! exactly the order of one global set: best fit stays exact (smallest
 //! length, then lowest address), only cheaper. A search jumps to the first
-//! non-empty bin with one bit scan; inserts and removals touch one small
-//! tree.
+//! non-empty bin with one bit scan; an insert or removal is a binary search
+//! and a short move inside one bin. (A bin holding thousands of equal
+//! ranges would make that move long; even then it is a memmove of a few
+//! kilobytes, not a walk.)
 //!
 //! Small indexes (most pending groups hold a handful of ranges) stay one
-//! plain set and switch to bins once they hold [`BIN_AT`] ranges, so an
-//! index costs nothing but its set until it is busy.
-
-use std::collections::btree_set::{self, BTreeSet};
+//! sorted vector and switch to bins once they hold [`BIN_AT`] ranges, so an
+//! index costs nothing but its vector until it is busy.
 
 /// Bits of the length below its leading one that pick the bin.
 const SUB_BITS: u32 = 4;
@@ -43,14 +43,44 @@ fn bin_of(len: u64) -> usize {
 /// Size bins with a bitmap of the non-empty ones.
 #[derive(Debug, Clone)]
 struct Bins {
-    bins: Vec<BTreeSet<(u64, u64)>>,
+    bins: Vec<Vec<(u64, u64)>>,
     nonempty: [u64; WORDS],
+}
+
+/// Inserts `r` into sorted `v`; false if it was there.
+#[inline]
+fn sorted_insert(v: &mut Vec<(u64, u64)>, r: (u64, u64)) -> bool {
+    match v.binary_search(&r) {
+        Ok(_) => false,
+        Err(i) => {
+            v.insert(i, r);
+            true
+        }
+    }
+}
+
+/// Removes `r` from sorted `v`; whether it was there.
+#[inline]
+fn sorted_remove(v: &mut Vec<(u64, u64)>, r: (u64, u64)) -> bool {
+    match v.binary_search(&r) {
+        Ok(i) => {
+            v.remove(i);
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+/// The part of sorted `v` at or after length `len`.
+#[inline]
+fn tail_from(v: &[(u64, u64)], len: u64) -> &[(u64, u64)] {
+    &v[v.partition_point(|r| r.0 < len)..]
 }
 
 impl Bins {
     fn new() -> Bins {
         Bins {
-            bins: vec![BTreeSet::new(); BINS],
+            bins: vec![Vec::new(); BINS],
             nonempty: [0; WORDS],
         }
     }
@@ -79,14 +109,14 @@ impl Bins {
     fn insert(&mut self, r: (u64, u64)) -> bool {
         let b = bin_of(r.0);
         self.nonempty[b / 64] |= 1 << (b % 64);
-        self.bins[b].insert(r)
+        sorted_insert(&mut self.bins[b], r)
     }
 
     #[inline]
     fn remove(&mut self, r: (u64, u64)) -> bool {
         let b = bin_of(r.0);
         let set = &mut self.bins[b];
-        let hit = set.remove(&r);
+        let hit = sorted_remove(set, r);
         if set.is_empty() {
             self.nonempty[b / 64] &= !(1 << (b % 64));
         }
@@ -96,7 +126,7 @@ impl Bins {
 
 #[derive(Debug, Clone)]
 enum Repr {
-    Plain(BTreeSet<(u64, u64)>),
+    Plain(Vec<(u64, u64)>),
     Binned(Box<Bins>),
 }
 
@@ -111,7 +141,7 @@ pub(crate) struct SizeIndex {
 impl Default for SizeIndex {
     fn default() -> Self {
         SizeIndex {
-            repr: Repr::Plain(BTreeSet::new()),
+            repr: Repr::Plain(Vec::new()),
             count: 0,
             bytes: 0,
         }
@@ -123,16 +153,16 @@ impl SizeIndex {
     #[inline]
     pub(crate) fn insert(&mut self, len: u64, addr: u64) {
         let added = match &mut self.repr {
-            Repr::Plain(set) => set.insert((len, addr)),
+            Repr::Plain(v) => sorted_insert(v, (len, addr)),
             Repr::Binned(b) => b.insert((len, addr)),
         };
         debug_assert!(added, "range {addr:#x} indexed twice");
         self.count += 1;
         self.bytes += len;
         if self.count == BIN_AT {
-            if let Repr::Plain(set) = &mut self.repr {
+            if let Repr::Plain(v) = &mut self.repr {
                 let mut bins = Box::new(Bins::new());
-                for r in std::mem::take(set) {
+                for r in std::mem::take(v) {
                     bins.insert(r);
                 }
                 self.repr = Repr::Binned(bins);
@@ -144,7 +174,7 @@ impl SizeIndex {
     #[inline]
     pub(crate) fn remove(&mut self, len: u64, addr: u64) -> bool {
         let hit = match &mut self.repr {
-            Repr::Plain(set) => set.remove(&(len, addr)),
+            Repr::Plain(v) => sorted_remove(v, (len, addr)),
             Repr::Binned(b) => b.remove((len, addr)),
         };
         if hit {
@@ -173,17 +203,17 @@ impl SizeIndex {
     #[inline]
     pub(crate) fn at_least(&self, len: u64) -> Iter<'_> {
         match &self.repr {
-            Repr::Plain(set) => Iter {
+            Repr::Plain(v) => Iter {
                 bins: None,
                 bin: 0,
-                cur: Cursor::From(set.range((len, 0)..)),
+                cur: tail_from(v, len).iter(),
             },
             Repr::Binned(b) => {
                 let first = bin_of(len);
                 Iter {
                     bins: Some(b),
                     bin: first,
-                    cur: Cursor::From(b.bins[first].range((len, 0)..)),
+                    cur: tail_from(&b.bins[first], len).iter(),
                 }
             }
         }
@@ -200,15 +230,7 @@ pub(crate) struct Iter<'a> {
     bins: Option<&'a Bins>,
     bin: usize,
     /// The part of the current bin still to visit.
-    cur: Cursor<'a>,
-}
-
-enum Cursor<'a> {
-    /// The first bin, from the requested length on.
-    From(btree_set::Range<'a, (u64, u64)>),
-    /// A later bin, whole (every range in it is long enough).
-    Whole(btree_set::Iter<'a, (u64, u64)>),
-    Done,
+    cur: std::slice::Iter<'a, (u64, u64)>,
 }
 
 impl Iterator for Iter<'_> {
@@ -217,22 +239,13 @@ impl Iterator for Iter<'_> {
     #[inline]
     fn next(&mut self) -> Option<(u64, u64)> {
         loop {
-            let hit = match &mut self.cur {
-                Cursor::From(r) => r.next(),
-                Cursor::Whole(i) => i.next(),
-                Cursor::Done => return None,
-            };
-            if let Some(r) = hit {
+            if let Some(r) = self.cur.next() {
                 return Some(*r);
             }
-            let next = self.bins.and_then(|b| b.next_nonempty(self.bin + 1));
-            self.cur = match (self.bins, next) {
-                (Some(bins), Some(b)) => {
-                    self.bin = b;
-                    Cursor::Whole(bins.bins[b].iter())
-                }
-                _ => Cursor::Done,
-            };
+            let bins = self.bins?;
+            let b = bins.next_nonempty(self.bin + 1)?;
+            self.bin = b;
+            self.cur = bins.bins[b].iter();
         }
     }
 }
@@ -266,7 +279,7 @@ mod tests {
             probe in 1u64..1 << 26,
         ) {
             let mut idx = SizeIndex::default();
-            let mut model = BTreeSet::new();
+            let mut model = std::collections::BTreeSet::new();
             for (ins, len, a) in ops {
                 let len = len.next_power_of_two() >> (a % 3) | (a % 7);
                 let r = (len.max(1), a * 4096);
