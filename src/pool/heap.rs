@@ -23,6 +23,7 @@
 
 use super::addr_index::{AddrIndex, Span};
 use super::fenwick::Fenwick;
+use super::granule_set::GranuleSet;
 use super::size_class::ALIGN;
 use super::size_index::SizeIndex;
 use crate::backend::Backend;
@@ -63,7 +64,7 @@ enum Physical {
         /// Chunks held but unmapped.
         spare: Vec<ChunkHandle>,
         /// Mapped granules with no users.
-        idle: BTreeSet<u32>,
+        idle: GranuleSet,
         /// Granules whose chunk was stolen while old uses may still run:
         /// still mapped at the backend, excluded from every range.
         quarantine: BTreeSet<u32>,
@@ -184,7 +185,7 @@ impl Heap {
                 len,
                 granules: vec![Granule::default(); (len / gran) as usize],
                 spare: Vec::new(),
-                idle: BTreeSet::new(),
+                idle: GranuleSet::new((len / gran) as usize),
                 quarantine: BTreeSet::new(),
                 mapped: Fenwick::new((len / gran) as usize),
             };
@@ -686,7 +687,7 @@ impl Heap {
             let gr = &mut granules[g as usize];
             gr.users += 1;
             if gr.users == 1 {
-                idle.remove(&g);
+                idle.remove(g);
             }
             if gr.chunk.is_none() {
                 need.push(g);
@@ -875,7 +876,7 @@ impl Heap {
             return Vec::new();
         };
         idle.iter()
-            .filter_map(|&g| self.steal_kind(g, ctx).map(|k| (g, k)))
+            .filter_map(|g| self.steal_kind(g, ctx).map(|k| (g, k)))
             .take(want)
             .collect()
     }
@@ -921,7 +922,7 @@ impl Heap {
             .take()
             .expect("idle granules are mapped");
         mapped.add(g as usize, -1);
-        idle.remove(&g);
+        idle.remove(g);
         quarantine.insert(g);
         self.fresh_quarantine.push(g);
         let mut waits = Vec::new();
@@ -1048,7 +1049,7 @@ impl Heap {
         }
         granules[g as usize].chunk = None;
         mapped.add(g as usize, -1);
-        idle.remove(&g);
+        idle.remove(g);
         Some(chunk)
     }
 
@@ -1133,7 +1134,7 @@ impl Heap {
         let before = self.reserved;
         match &self.phys {
             Physical::Vmm { idle, .. } => {
-                let idle: Vec<u32> = idle.iter().copied().collect();
+                let idle: Vec<u32> = idle.iter().collect();
                 for g in idle {
                     if self.granule_is_clean(g) {
                         self.unmap_granule_to_spare(g);
@@ -1202,7 +1203,7 @@ impl Heap {
         };
         let first = (lo.saturating_sub(*base)).div_ceil(self.gran) as u32;
         let end = (hi.saturating_sub(*base) / self.gran) as u32;
-        let gs: Vec<u32> = idle.range(first..end.max(first)).copied().collect();
+        let gs: Vec<u32> = idle.range(first, end).collect();
         let before = self.reserved;
         for g in gs {
             if !self.granule_is_clean(g) {
@@ -1348,7 +1349,7 @@ impl Heap {
                 }
                 for (g, gr) in granules.iter().enumerate() {
                     let is_idle = gr.users == 0 && gr.chunk.is_some();
-                    if is_idle != idle.contains(&(g as u32)) {
+                    if is_idle != idle.contains(g as u32) {
                         return Err(format!("idle set wrong for granule {g}"));
                     }
                 }

@@ -24,6 +24,7 @@ mod block;
 mod compact_hooks;
 mod exact;
 mod fenwick;
+mod granule_set;
 mod heap;
 mod inspect;
 #[cfg(all(test, loom))]
@@ -450,7 +451,7 @@ impl PoolShared {
                     requested: size,
                     raw,
                 };
-                let addr = self.alloc_large(len, live, stream)?;
+                let (addr, len) = self.alloc_large(len, live, stream)?;
                 (DevicePtr(addr), Kind::Large { len }, len)
             }
         };
@@ -540,16 +541,19 @@ impl PoolShared {
         Ok(Some(*first))
     }
 
-    fn alloc_large(&self, len: u64, live: LargeLive, stream: &Stream) -> Result<u64> {
+    /// A large range of `len` bytes (or, from the parking cache, up to
+    /// 1/64 more): `(addr, its length)`.
+    fn alloc_large(&self, len: u64, live: LargeLive, stream: &Stream) -> Result<(u64, u64)> {
         let size = live.requested;
         let keep = |h: &mut HeapState, addr: u64| {
             h.large.insert(addr, live);
-            Ok(addr)
+            Ok((addr, len))
         };
         {
             let mut h = self.heap.lock();
-            if let Some(addr) = stream.slot().and_then(|s| h.exact.take(s, len)) {
-                return keep(&mut h, addr);
+            if let Some((addr, parked)) = stream.slot().and_then(|s| h.exact.take(s, len)) {
+                h.large.insert(addr, live);
+                return Ok((addr, parked));
             }
             if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
                 return keep(&mut h, t.addr);

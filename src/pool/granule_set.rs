@@ -1,0 +1,149 @@
+//! A set of granule indices as a bitmap: O(1) insert, remove and lookup.
+//!
+//! The heap's idle set changes whenever a granule's last user leaves or its
+//! first arrives, which for blocks under a granule is most allocations and
+//! frees; an ordered tree paid a descent each time. Iteration (the slow
+//! paths: stealing, trimming) skips empty words with a summary bitmap (one
+//! bit per word), so it costs about one step per member.
+
+/// Granule indices below a fixed bound.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct GranuleSet {
+    words: Vec<u64>,
+    /// Bit `w` set: `words[w]` is not zero.
+    summary: Vec<u64>,
+    len: usize,
+}
+
+impl GranuleSet {
+    /// An empty set for indices below `n`.
+    pub(crate) fn new(n: usize) -> GranuleSet {
+        let words = n.div_ceil(64);
+        GranuleSet {
+            words: vec![0; words],
+            summary: vec![0; words.div_ceil(64)],
+            len: 0,
+        }
+    }
+
+    /// Adds `g`; whether it was absent.
+    #[inline]
+    pub(crate) fn insert(&mut self, g: u32) -> bool {
+        let (w, bit) = (g as usize / 64, 1u64 << (g % 64));
+        let absent = self.words[w] & bit == 0;
+        self.words[w] |= bit;
+        self.summary[w / 64] |= 1 << (w % 64);
+        self.len += absent as usize;
+        absent
+    }
+
+    /// Removes `g`; whether it was present.
+    #[inline]
+    pub(crate) fn remove(&mut self, g: u32) -> bool {
+        let (w, bit) = (g as usize / 64, 1u64 << (g % 64));
+        let present = self.words[w] & bit != 0;
+        self.words[w] &= !bit;
+        if self.words[w] == 0 {
+            self.summary[w / 64] &= !(1 << (w % 64));
+        }
+        self.len -= present as usize;
+        present
+    }
+
+    /// Whether `g` is in the set.
+    #[inline]
+    pub(crate) fn contains(&self, g: u32) -> bool {
+        self.words
+            .get(g as usize / 64)
+            .is_some_and(|w| w & (1 << (g % 64)) != 0)
+    }
+
+    /// Members.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Members in `[lo, hi)`, ascending.
+    pub(crate) fn range(&self, lo: u32, hi: u32) -> impl Iterator<Item = u32> + '_ {
+        let hi = (hi as u64).min(self.words.len() as u64 * 64);
+        let mut next = (lo as u64).min(hi);
+        std::iter::from_fn(move || {
+            let g = self.first_at_or_after(next)?;
+            if g >= hi {
+                next = hi;
+                return None;
+            }
+            next = g + 1;
+            Some(g as u32)
+        })
+    }
+
+    /// The smallest member at or after `g`.
+    #[inline]
+    fn first_at_or_after(&self, g: u64) -> Option<u64> {
+        let w = (g / 64) as usize;
+        if w >= self.words.len() {
+            return None;
+        }
+        let here = self.words[w] & (!0u64 << (g % 64));
+        if here != 0 {
+            return Some(w as u64 * 64 + here.trailing_zeros() as u64);
+        }
+        // The next non-empty word, through the summary.
+        let start = w + 1;
+        let mut sw = start / 64;
+        let mut bits =
+            self.summary.get(sw)? & (!0u64).checked_shl((start % 64) as u32).unwrap_or(0);
+        loop {
+            if bits != 0 {
+                let w = sw * 64 + bits.trailing_zeros() as usize;
+                return Some(w as u64 * 64 + self.words[w].trailing_zeros() as u64);
+            }
+            sw += 1;
+            bits = *self.summary.get(sw)?;
+        }
+    }
+
+    /// Every member, ascending.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.range(0, u32::MAX)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    #[test]
+    fn matches_an_ordered_set() {
+        let mut s = GranuleSet::new(300);
+        let mut model = BTreeSet::new();
+        for (i, g) in [5u32, 64, 63, 0, 299, 128, 5, 200, 64]
+            .into_iter()
+            .enumerate()
+        {
+            if i % 3 == 2 {
+                assert_eq!(s.remove(g), model.remove(&g));
+            } else {
+                assert_eq!(s.insert(g), model.insert(g));
+            }
+            assert_eq!(s.len(), model.len());
+        }
+        assert_eq!(
+            s.iter().collect::<Vec<_>>(),
+            model.iter().copied().collect::<Vec<_>>()
+        );
+        let want: Vec<u32> = model.range(6..200).copied().collect();
+        assert_eq!(s.range(6, 200).collect::<Vec<_>>(), want);
+        assert!(s.contains(299) && !s.contains(298) && !s.contains(10_000));
+        assert_eq!(s.range(250, 10).count(), 0);
+        let mut big = GranuleSet::new(70_000);
+        for g in [3u32, 4_095, 4_096, 69_999] {
+            big.insert(g);
+        }
+        big.remove(4_095);
+        assert_eq!(big.iter().collect::<Vec<_>>(), vec![3, 4_096, 69_999]);
+        assert_eq!(big.range(4, 69_999).collect::<Vec<_>>(), vec![4_096]);
+    }
+}
