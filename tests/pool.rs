@@ -128,6 +128,38 @@ fn a_block_freed_on_its_stream_is_reused_at_once_there() {
     dev.audit().unwrap();
 }
 
+/// A large block freed on its stream is parked whole and serves the next
+/// request of its size class on that stream (up to 1/64 shorter) without a
+/// heap search; the block keeps the whole range, the stats count it, and
+/// another stream does not take it.
+#[test]
+fn parked_ranges_serve_slightly_shorter_requests_of_their_class() {
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    // Classes of 1 MiB and up are 16 KiB wide.
+    let big = (MIB + 12 * 1024) as usize;
+    let p = dev.alloc(big, &s1).unwrap().ptr();
+    let active_before = dev.stats().active_bytes.current;
+    let shorter = dev.alloc(MIB as usize, &s1).unwrap();
+    assert_eq!(shorter.ptr(), p, "a shorter request of the class reuses it");
+    assert_eq!(shorter.size(), MIB as usize, "size() is the requested size");
+    let st = dev.stats();
+    assert_eq!(st.allocated_bytes.current, MIB);
+    assert_eq!(
+        st.active_bytes.current - active_before,
+        big as u64,
+        "the block holds the whole parked range"
+    );
+    dev.audit().unwrap();
+    drop(shorter);
+    let other = dev.alloc(MIB as usize, &s2).unwrap();
+    assert_ne!(other.ptr(), p, "another stream never takes a parked range");
+    drop(other);
+    dev.audit().unwrap();
+    assert_eq!(dev.stats().allocated_bytes.current, 0);
+}
+
 /// Before growing, the large path takes memory another stream freed with
 /// `record_stream` by handover: the taker waits on the free's events on the
 /// device, so the bytes the stalled stream still reads stay intact.
