@@ -208,6 +208,74 @@ fn pending_memory_is_handed_over_before_the_pool_grows() {
 }
 
 #[test]
+fn adjacent_pending_groups_serve_one_request_before_the_pool_grows() {
+    // Two neighbouring blocks freed with record_stream become two pending
+    // groups: their free ranges carry different tags and never merge. A
+    // request for both together must take the run by waiting on both
+    // groups on the device, not map new memory beside it (the soak's
+    // creep), and its writes must come after the old reads.
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let sim = sim_of(dev);
+    let (s1, s2, s3) = (
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+    );
+    let size = 4 << 20;
+    let a = dev.alloc(size, &s1).unwrap();
+    let b = dev.alloc(size, &s1).unwrap();
+    let (pa, pb) = (a.ptr(), b.ptr());
+    assert_eq!(pb.addr(), pa.addr() + size as u64, "adjacent blocks");
+    for (i, blk) in [&a, &b].into_iter().enumerate() {
+        sim.launch_write_pattern(
+            0,
+            s1.handle(),
+            blk.ptr(),
+            size as u64,
+            i as u64,
+            Duration::ZERO,
+        )
+        .unwrap();
+        blk.record_stream(&s2);
+    }
+    // s2 reads both late, after the frees.
+    let ev = sim.create_event(0).unwrap();
+    sim.record_event(0, ev, s1.handle()).unwrap();
+    sim.stream_wait_event(0, s2.handle(), ev).unwrap();
+    for (i, p) in [pa, pb].into_iter().enumerate() {
+        sim.launch_verify_pattern(
+            0,
+            s2.handle(),
+            p,
+            size as u64,
+            i as u64,
+            Duration::from_millis(100),
+        )
+        .unwrap();
+    }
+    drop(a);
+    drop(b);
+    let st = dev.stats();
+    assert_eq!(st.pending_bytes.current, 2 * size as u64);
+    let x = dev.alloc(2 * size, &s3).unwrap();
+    assert_eq!(x.ptr(), pa, "the two pending ranges are taken as one");
+    assert_eq!(
+        dev.stats().reserved_bytes.current,
+        st.reserved_bytes.current
+    );
+    assert!(dev.stats().num_handovers > st.num_handovers);
+    sim.launch_write_pattern(0, s3.handle(), x.ptr(), 2 * size as u64, 9, Duration::ZERO)
+        .unwrap();
+    for s in [&s1, &s2, &s3] {
+        sim.sync_stream(0, s.handle()).unwrap();
+    }
+    assert_eq!(sim.integrity_errors(0), 0);
+    drop(x);
+    dev.audit().unwrap();
+}
+
+#[test]
 fn record_stream_holds_memory_back_until_the_other_stream_is_done() {
     // Without handover: a pending block goes to no stream until harvested.
     // (With it, see the next test, a stream may take it by waiting on the

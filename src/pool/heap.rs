@@ -446,6 +446,102 @@ impl Heap {
         Some(self.take(raddr, rlen, align_up(raddr, align), len, ctx))
     }
 
+    /// For a request that no single free range serves: `len` bytes at
+    /// `align` in a run of adjacent free, backed ranges whose tags differ
+    /// (`Clean`, `Dirty(slot)`, or `Pending(id)` with `usable(id)`), which
+    /// never merge with each other. Returns the start and the pending
+    /// groups in `[start, start+len)`; of the runs that fit, the one with
+    /// the fewest such groups, then the shortest. Nothing changes: once the
+    /// stream waits on those groups, [`Heap::take_run`] takes the place.
+    pub(crate) fn find_run(
+        &self,
+        len: u64,
+        align: u64,
+        slot: u16,
+        usable: impl Fn(u32) -> bool,
+    ) -> Option<(u64, Vec<u32>)> {
+        let ok = |t: Tag| match t {
+            Tag::Clean => true,
+            Tag::Dirty(s) => s == slot,
+            Tag::Pending(id) => usable(id),
+        };
+        // The current run: backed, free, usable pieces `(addr, len, tag)`
+        // adjacent in address order.
+        let mut run: Vec<(u64, u64, Tag)> = Vec::new();
+        let mut best: Option<(usize, u64, u64, Vec<u32>)> = None; // (groups, run len, start, ids)
+        let mut consider = |run: &[(u64, u64, Tag)]| {
+            let Some(&(lo, _, _)) = run.first() else {
+                return;
+            };
+            let &(la, ll, _) = run.last().expect("non-empty");
+            let start = align_up(lo, align);
+            if start + len > la + ll {
+                return;
+            }
+            let mut ids: Vec<u32> = run
+                .iter()
+                .filter(|p| p.0 < start + len && p.0 + p.1 > start)
+                .filter_map(|p| match p.2 {
+                    Tag::Pending(id) => Some(id),
+                    _ => None,
+                })
+                .collect();
+            ids.sort_unstable();
+            ids.dedup();
+            let key = (ids.len(), la + ll - lo);
+            if best.as_ref().is_none_or(|b| key < (b.0, b.1)) {
+                best = Some((key.0, key.1, start, ids));
+            }
+        };
+        for (a, r) in self.by_addr.iter() {
+            if !ok(r.tag) {
+                consider(&run);
+                run.clear();
+                continue;
+            }
+            for (pa, pl) in self.mapped_parts(a, r.len) {
+                let joins = run
+                    .last()
+                    .is_some_and(|&(la, ll, _)| la + ll == pa && self.same_segment(la, pa));
+                if !joins {
+                    consider(&run);
+                    run.clear();
+                }
+                run.push((pa, pl, r.tag));
+            }
+        }
+        consider(&run);
+        best.map(|b| (b.2, b.3))
+    }
+
+    /// Takes `[start, start+len)`, a place [`Heap::find_run`] returned,
+    /// for stream slot `slot`, whose stream already waits on the pending
+    /// groups found there: the pieces become `Dirty(slot)` (reusable by
+    /// that stream alone, which is now ordered after their earlier uses),
+    /// merge, and the range is taken. `None` (nothing changed) if the
+    /// place is no longer free and backed.
+    pub(crate) fn take_run(&mut self, start: u64, len: u64, slot: u16) -> Option<Taken> {
+        let first = self.by_addr.at_or_before(start).map_or(start, |(a, _)| a);
+        let mut covered = 0;
+        for (a, r) in self.by_addr.starting_in(first, start + len) {
+            if matches!(r.tag, Tag::Dirty(s) if s != slot) {
+                return None;
+            }
+            covered += (a + r.len).min(start + len).saturating_sub(a.max(start));
+        }
+        if covered != len || self.unbacked(start, len) != 0 {
+            return None;
+        }
+        self.retag(start, start + len, Tag::Dirty(slot));
+        let (raddr, r) = self.by_addr.at_or_before(start)?;
+        let rlen = r.len;
+        let ctx = StealCtx {
+            slot: Some(slot),
+            pending_ok: false,
+        };
+        self.take(raddr, rlen, start, len, ctx).ok()
+    }
+
     /// Granules of `[start, start+len)` with no physical memory (0 in
     /// segment mode, where free memory is always backed).
     fn unbacked(&self, start: u64, len: u64) -> u64 {

@@ -559,8 +559,10 @@ impl PoolShared {
                 return keep(&mut h, t.addr);
             }
             Self::unpark(&mut h);
+            // (The list also reads empty while another thread harvests it:
+            // pending memory may be in the heap all the same.)
             if self.pending.is_empty() {
-                if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, false)? {
+                if let Some(t) = self.reuse_or_grow(&mut h, len, stream)? {
                     return keep(&mut h, t.addr);
                 }
             }
@@ -587,12 +589,7 @@ impl PoolShared {
             if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
                 return keep(&mut h, t.addr);
             }
-            match self.handover_backed(&mut h, len, ALIGN, stream) {
-                Some(Ok(t)) => return keep(&mut h, t.addr),
-                Some(Err(e)) if !e.is_oom() => return Err(e),
-                _ => {}
-            }
-            if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, false)? {
+            if let Some(t) = self.reuse_or_grow(&mut h, len, stream)? {
                 return keep(&mut h, t.addr);
             }
         }
@@ -607,6 +604,33 @@ impl PoolShared {
                 Err(self.oom(size))
             }
         }
+    }
+
+    /// A large request that no single clean or own-dirty backed range
+    /// serves, in order: a backed pending range by handover, a run of
+    /// adjacent backed ranges with different tags (`handover_run`), then
+    /// the heap's best fit, whose stitching may also take idle granules of
+    /// pending memory (the stream waits on their groups on the device) and
+    /// only then maps new memory. Out of memory is `None`.
+    fn reuse_or_grow(
+        &self,
+        h: &mut HeapState,
+        len: u64,
+        stream: &Stream,
+    ) -> Result<Option<heap::Taken>> {
+        match self.handover_backed(h, len, ALIGN, stream) {
+            Some(Ok(t)) => return Ok(Some(t)),
+            Some(Err(e)) if !e.is_oom() => return Err(e),
+            _ => {}
+        }
+        if let Some(t) = self.handover_run(h, len, stream).transpose()? {
+            return Ok(Some(t));
+        }
+        // A group with a stream whose event could not be recorded cannot
+        // be waited on: then stitch clean and own memory only.
+        let pending_ok =
+            self.cfg.handover && h.group_events.values().all(|w| w.unrecorded.is_empty());
+        self.heap_alloc_or_oom(h, len, stream, pending_ok)
     }
 
     /// [`PoolShared::heap_alloc`] for a large block, with out of memory as
@@ -687,6 +711,44 @@ impl PoolShared {
                 events.get(&id).is_some_and(|w| w.unrecorded.is_empty())
             })?;
         Some(self.finish_taken(h, r, stream))
+    }
+
+    /// Memory the heap already backs, from a run of adjacent free ranges
+    /// with different tags (clean, dirty on this stream, pending groups),
+    /// for a request no single free range serves: such neighbours never
+    /// merge, so without this their memory is stranded and the pool grows
+    /// beside it. The stream first waits on the run's pending groups on
+    /// the device (no host sync), then takes the run. `None` when handover
+    /// is off, the stream has no slot, or no run fits.
+    fn handover_run(
+        &self,
+        h: &mut HeapState,
+        len: u64,
+        stream: &Stream,
+    ) -> Option<Result<heap::Taken>> {
+        if !self.cfg.handover {
+            return None;
+        }
+        let slot = stream.slot()?;
+        // As in `handover_backed`: groups with an unrecorded stream cannot
+        // be waited on.
+        let events = &h.group_events;
+        let (start, ids) = h.heap.find_run(len, ALIGN, slot, |id| {
+            events.get(&id).is_some_and(|w| w.unrecorded.is_empty())
+        })?;
+        for id in &ids {
+            let w = h.group_events.get(id).cloned().unwrap_or_default();
+            // Nothing is taken yet: a failed wait leaves the heap as it was
+            // (the waits already made only delay the stream).
+            if let Err(e) = self.wait_on(stream, &w) {
+                return Some(Err(e));
+            }
+        }
+        let t = h.heap.take_run(start, len, slot)?;
+        if !ids.is_empty() {
+            self.counters.handovers.fetch_add(1, Relaxed);
+        }
+        Some(Ok(t))
     }
 
     /// The side effects of a heap allocation: the stream waits on any
