@@ -453,6 +453,12 @@ impl Heap {
     /// groups in `[start, start+len)`; of the runs that fit, the one with
     /// the fewest such groups, then the shortest. Nothing changes: once the
     /// stream waits on those groups, [`Heap::take_run`] takes the place.
+    ///
+    /// Only runs holding pending memory are looked at: each is found from
+    /// one of its pending ranges by walking neighbours with exact address
+    /// lookups, so the cost follows the pending memory, not the heap (a
+    /// pool with no pending frees pays nothing; a scan of every free range
+    /// here made each growth O(ranges)).
     pub(crate) fn find_run(
         &self,
         len: u64,
@@ -493,24 +499,47 @@ impl Heap {
                 best = Some((key.0, key.1, start, ids));
             }
         };
-        for (a, r) in self.by_addr.iter() {
-            if !ok(r.tag) {
-                consider(&run);
-                run.clear();
+        let mut seen: Vec<u64> = Vec::new();
+        let seeds = self
+            .by_tag
+            .iter()
+            .filter(|(t, _)| matches!(t, Tag::Pending(id) if usable(*id)))
+            .flat_map(|(_, set)| set.iter().map(|(_, addr)| addr));
+        for seed in seeds {
+            // The first free, usable range of the neighbourhood.
+            let mut lo = seed;
+            while let Some(pa) = self.by_addr.start_of_range_ending_at(lo) {
+                let pr = self.by_addr.get(pa).expect("indexed by its end");
+                if !ok(pr.tag) || !self.same_segment(pa, lo) {
+                    break;
+                }
+                lo = pa;
+            }
+            if seen.contains(&lo) {
                 continue;
             }
-            for (pa, pl) in self.mapped_parts(a, r.len) {
-                let joins = run
-                    .last()
-                    .is_some_and(|&(la, ll, _)| la + ll == pa && self.same_segment(la, pa));
-                if !joins {
-                    consider(&run);
-                    run.clear();
+            seen.push(lo);
+            // Its backed runs, left to right.
+            let mut a = lo;
+            while let Some(r) = self.by_addr.get(a).filter(|r| ok(r.tag)) {
+                for (pa, pl) in self.mapped_parts(a, r.len) {
+                    let joins = run
+                        .last()
+                        .is_some_and(|&(la, ll, _)| la + ll == pa && self.same_segment(la, pa));
+                    if !joins {
+                        consider(&run);
+                        run.clear();
+                    }
+                    run.push((pa, pl, r.tag));
                 }
-                run.push((pa, pl, r.tag));
+                if !self.same_segment(a, a + r.len) {
+                    break;
+                }
+                a += r.len;
             }
+            consider(&run);
+            run.clear();
         }
-        consider(&run);
         best.map(|b| (b.2, b.3))
     }
 
