@@ -38,8 +38,7 @@ fn class_of(len: u64) -> u32 {
     (fl - CLASS_BITS + 1) * (1 << CLASS_BITS) + sub
 }
 
-/// Parked ranges `(len, addr)` by `(slot, class)`, oldest first; no key
-/// maps to an empty list.
+/// Parked ranges `(len, addr)` by `(slot, class)`, oldest first.
 #[derive(Debug, Default)]
 pub(crate) struct ExactCache {
     map: FxHashMap<(u16, u32), Vec<(u64, u64)>>,
@@ -70,10 +69,9 @@ impl ExactCache {
                 .filter(|&i| v[i].0 >= len)
                 .min_by_key(|&i| v[i].0);
         }
+        // (An emptied list keeps its key and capacity: the same class
+        // comes back at once in a loop.)
         let (l, addr) = v.remove(best?);
-        if v.is_empty() {
-            self.map.remove(&(slot, class_of(len)));
-        }
         self.bytes -= l;
         Some((addr, l))
     }
