@@ -559,6 +559,11 @@ impl PoolShared {
                 return keep(&mut h, t.addr);
             }
             Self::unpark(&mut h);
+            // Merged with their neighbours, parked ranges often fit where
+            // none did: take that before any handover or growth.
+            if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
+                return keep(&mut h, t.addr);
+            }
             // (The list also reads empty while another thread harvests it:
             // pending memory may be in the heap all the same.)
             if self.pending.is_empty() {
