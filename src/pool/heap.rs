@@ -29,7 +29,7 @@ use super::size_index::SizeIndex;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::ptr::{ChunkHandle, DevicePtr};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
@@ -110,6 +110,9 @@ pub(crate) struct Heap {
     /// Pending groups whose memory was aliased since the last
     /// `take_steal_waits`: the requesting stream must wait on them.
     fresh_waits: Vec<u32>,
+    /// Pending groups that cannot be waited on (an event record failed):
+    /// never handed over nor stitched, whatever `pending_ok` says.
+    blocked: FxHashSet<u32>,
     /// Device allocations made (chunks or segments).
     pub device_allocs: u64,
     /// Device frees made.
@@ -172,6 +175,7 @@ impl Heap {
             next_pending: 0,
             fresh_quarantine: Vec::new(),
             fresh_waits: Vec::new(),
+            blocked: FxHashSet::default(),
             device_allocs: 0,
             device_frees: 0,
             peers: Vec::new(),
@@ -619,7 +623,7 @@ impl Heap {
                 .by_tag
                 .keys()
                 .copied()
-                .filter(|t| matches!(t, Tag::Pending(_)))
+                .filter(|t| matches!(t, Tag::Pending(id) if !self.blocked.contains(id)))
                 .collect();
             if let Some((rlen, raddr)) = tags
                 .into_iter()
@@ -988,7 +992,7 @@ impl Heap {
         let ok = cover.iter().all(|p| match p.2 {
             Tag::Clean => true,
             Tag::Dirty(s) => Some(s) == ctx.slot,
-            Tag::Pending(_) => ctx.pending_ok,
+            Tag::Pending(id) => ctx.pending_ok && !self.blocked.contains(&id),
         });
         // Aliasing leaves the rest of the granule to the requesting stream
         // alone, which needs a stream slot to express.
@@ -1096,6 +1100,13 @@ impl Heap {
         for (a, l, tag) in st.pieces {
             self.insert_free(a, l, tag);
         }
+    }
+
+    /// Sets the pending groups that may not be handed over or stitched
+    /// (see the `blocked` field).
+    pub(crate) fn set_blocked(&mut self, ids: impl IntoIterator<Item = u32>) {
+        self.blocked.clear();
+        self.blocked.extend(ids);
     }
 
     /// Pending groups aliased since the last call (whether or not the

@@ -631,11 +631,7 @@ impl PoolShared {
         if let Some(t) = self.handover_run(h, len, stream).transpose()? {
             return Ok(Some(t));
         }
-        // A group with a stream whose event could not be recorded cannot
-        // be waited on: then stitch clean and own memory only.
-        let pending_ok =
-            self.cfg.handover && h.group_events.values().all(|w| w.unrecorded.is_empty());
-        self.heap_alloc_or_oom(h, len, stream, pending_ok)
+        self.heap_alloc_or_oom(h, len, stream, self.cfg.handover)
     }
 
     /// [`PoolShared::heap_alloc`] for a large block, with out of memory as
@@ -678,6 +674,17 @@ impl PoolShared {
         pending_ok: bool,
     ) -> Result<heap::Taken> {
         let device_allocs = h.heap.device_allocs;
+        if pending_ok {
+            // A group with a stream whose event could not be recorded
+            // cannot be waited on (only `trim` releases it): the heap must
+            // neither hand it over nor stitch its granules.
+            let blocked = h
+                .group_events
+                .iter()
+                .filter(|(_, w)| !w.unrecorded.is_empty())
+                .map(|(&id, _)| id);
+            h.heap.set_blocked(blocked.collect::<Vec<_>>());
+        }
         let r = h.heap.alloc(len, align, stream.slot(), pending_ok);
         if h.heap.device_allocs != device_allocs {
             self.counters.grown.fetch_add(1, Relaxed);
