@@ -180,25 +180,32 @@ mod tests {
 
     #[test]
     fn streams_overlap_with_gpupool_and_serialize_with_the_syncing_baseline() {
-        let rows = table(true).unwrap();
-        assert_eq!(rows.len(), 6);
+        // The overlap is a timing property of simulated kernels (threads
+        // sleeping 0.5 ms): on 2 loaded cores (the other tests of this
+        // binary run beside it) one measurement can miss it, so up to
+        // three are taken and one must show it. The lower bounds hold in
+        // every measurement.
         let k = KERNEL.as_nanos() as f64;
-        for r in &rows {
-            // Every kernel runs; at best `streams` of them at a time.
-            assert!(r.ns_per_op >= k / r.streams as f64 * 0.9, "{r:?}");
-            // Syncing before each free runs one kernel at a time.
-            assert!(r.mutex_best_fit_ns_per_op >= k * 0.95, "{r:?}");
-            assert!(r.host_ns_per_op > 0.0 && r.host_ns_per_op < k, "{r:?}");
+        let mut last = String::new();
+        for _ in 0..3 {
+            let rows = table(true).unwrap();
+            assert_eq!(rows.len(), 6);
+            for r in &rows {
+                // Every kernel runs; at best `streams` of them at a time.
+                assert!(r.ns_per_op >= k / r.streams as f64 * 0.9, "{r:?}");
+                // Syncing before each free runs one kernel at a time.
+                assert!(r.mutex_best_fit_ns_per_op >= k * 0.95, "{r:?}");
+                assert!(r.host_ns_per_op > 0.0 && r.host_ns_per_op < k, "{r:?}");
+            }
+            let four = rows.iter().find(|r| r.streams == 4 && r.prewarm).unwrap();
+            let one = rows.iter().find(|r| r.streams == 1 && r.prewarm).unwrap();
+            if four.ns_per_op < one.ns_per_op * 0.6
+                && four.ns_per_op < four.mutex_best_fit_ns_per_op * 0.6
+            {
+                return;
+            }
+            last = format!("{four:?} vs {one:?}");
         }
-        let four = rows.iter().find(|r| r.streams == 4 && r.prewarm).unwrap();
-        let one = rows.iter().find(|r| r.streams == 1 && r.prewarm).unwrap();
-        assert!(
-            four.ns_per_op < one.ns_per_op * 0.6,
-            "4 streams should overlap kernels: {four:?} vs {one:?}"
-        );
-        assert!(
-            four.ns_per_op < four.mutex_best_fit_ns_per_op * 0.6,
-            "{four:?}"
-        );
+        panic!("4 streams should overlap kernels (3 measurements); last: {last}");
     }
 }
