@@ -82,7 +82,7 @@ struct HeapState {
     /// Movable regions given back to the heap since compaction last
     /// released memory: `(addr, len)`.
     freed_regions: Vec<(u64, u64)>,
-    /// Large ranges parked for exact-size reuse on their stream.
+    /// Large ranges parked for reuse by size class on their stream.
     exact: exact::ExactCache,
     /// Granules aliased by stitching, released when their event completes.
     quarantine: Vec<(Waits, Vec<u32>)>,
