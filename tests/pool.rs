@@ -30,6 +30,14 @@ fn sim_of(pool: &DevicePool) -> &SimBackend {
         .expect("simulator")
 }
 
+fn three_streams(dev: &DevicePool) -> (gpupool::Stream, gpupool::Stream, gpupool::Stream) {
+    (
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+    )
+}
+
 #[test]
 fn the_design_contract_example_runs() {
     let rt = Runtime::builder()
@@ -217,11 +225,7 @@ fn adjacent_pending_groups_serve_one_request_before_the_pool_grows() {
     let rt = sim_runtime(1, 256 * MIB);
     let dev = rt.device(0).unwrap();
     let sim = sim_of(dev);
-    let (s1, s2, s3) = (
-        dev.new_stream().unwrap(),
-        dev.new_stream().unwrap(),
-        dev.new_stream().unwrap(),
-    );
+    let (s1, s2, s3) = three_streams(dev);
     let size = 4 << 20;
     let a = dev.alloc(size, &s1).unwrap();
     let b = dev.alloc(size, &s1).unwrap();
@@ -524,11 +528,7 @@ fn handover_orders_the_new_stream_instead_of_failing() {
         .unwrap();
     let dev = rt.device(0).unwrap();
     let sim = sim_of(dev);
-    let (s1, s2, s3) = (
-        dev.new_stream().unwrap(),
-        dev.new_stream().unwrap(),
-        dev.new_stream().unwrap(),
-    );
+    let (s1, s2, s3) = three_streams(dev);
     let b = dev.alloc((12 * MIB) as usize, &s1).unwrap();
     let p = b.ptr();
     b.record_stream(&s2);
