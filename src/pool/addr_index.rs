@@ -9,9 +9,17 @@
 //! that ask which range covers an address. Growing or shrinking a range at
 //! its end — the common merge and split — leaves that ordered set alone.
 //!
+//! Inside one reservation (VMM mode) the ordered set is a short sorted
+//! vector of starts per granule plus a bitmap of granules that hold any
+//! ([`AddrIndex::for_reservation`]): an insert or removal touches one small
+//! vector instead of descending a tree of tens of thousands of starts (in
+//! RMM's random_allocations at 10^5 that tree was 9% of the instructions
+//! and 15% of the L1 misses). Plain segments keep an ordered tree.
+//!
 //! Invariant: `starts`, `ends` and `order` describe the same ranges, which
 //! never overlap.
 
+use super::granule_set::GranuleSet;
 use rustc_hash::FxHashMap;
 use std::collections::BTreeSet;
 
@@ -24,13 +32,159 @@ pub(crate) struct Span<T> {
     pub tag: T,
 }
 
+/// Start addresses in order.
+#[derive(Debug, Clone)]
+enum Order {
+    /// Any addresses.
+    Tree(BTreeSet<u64>),
+    /// Addresses in `[base, base + buckets.len() << shift)`: bucket `i`
+    /// holds the sorted starts in `[base + i << shift, base + i+1 << shift)`.
+    Buckets {
+        base: u64,
+        shift: u32,
+        buckets: Vec<Vec<u64>>,
+        nonempty: GranuleSet,
+        len: usize,
+    },
+}
+
+impl Order {
+    #[inline]
+    fn insert(&mut self, a: u64) {
+        match self {
+            Order::Tree(t) => {
+                t.insert(a);
+            }
+            Order::Buckets {
+                base,
+                shift,
+                buckets,
+                nonempty,
+                len,
+            } => {
+                let i = ((a - *base) >> *shift) as usize;
+                let b = &mut buckets[i];
+                if let Err(at) = b.binary_search(&a) {
+                    b.insert(at, a);
+                    *len += 1;
+                    if b.len() == 1 {
+                        nonempty.insert(i as u32);
+                    }
+                }
+            }
+        }
+    }
+
+    #[inline]
+    fn remove(&mut self, a: u64) {
+        match self {
+            Order::Tree(t) => {
+                t.remove(&a);
+            }
+            Order::Buckets {
+                base,
+                shift,
+                buckets,
+                nonempty,
+                len,
+            } => {
+                let i = ((a - *base) >> *shift) as usize;
+                let b = &mut buckets[i];
+                if let Ok(at) = b.binary_search(&a) {
+                    b.remove(at);
+                    *len -= 1;
+                    if b.is_empty() {
+                        nonempty.remove(i as u32);
+                    }
+                }
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Order::Tree(t) => t.len(),
+            Order::Buckets { len, .. } => *len,
+        }
+    }
+
+    fn contains(&self, a: u64) -> bool {
+        match self {
+            Order::Tree(t) => t.contains(&a),
+            Order::Buckets {
+                base,
+                shift,
+                buckets,
+                ..
+            } => a
+                .checked_sub(*base)
+                .and_then(|o| buckets.get((o >> *shift) as usize))
+                .is_some_and(|b| b.binary_search(&a).is_ok()),
+        }
+    }
+
+    /// The highest start at or before `a`.
+    fn at_or_before(&self, a: u64) -> Option<u64> {
+        match self {
+            Order::Tree(t) => t.range(..=a).next_back().copied(),
+            Order::Buckets {
+                base,
+                shift,
+                buckets,
+                nonempty,
+                ..
+            } => {
+                let o = a.checked_sub(*base)?;
+                let i = ((o >> *shift) as usize).min(buckets.len().checked_sub(1)?);
+                let here = &buckets[i];
+                let k = here.partition_point(|&s| s <= a);
+                if k > 0 {
+                    return Some(here[k - 1]);
+                }
+                let j = nonempty.last_at_or_before((i as u32).checked_sub(1)?)?;
+                buckets[j as usize].last().copied()
+            }
+        }
+    }
+
+    /// Starts in `[lo, hi)`, ascending.
+    fn range(&self, lo: u64, hi: u64) -> Box<dyn Iterator<Item = u64> + '_> {
+        let hi = hi.max(lo);
+        match self {
+            Order::Tree(t) => Box::new(t.range(lo..hi).copied()),
+            Order::Buckets {
+                base,
+                shift,
+                buckets,
+                nonempty,
+                ..
+            } => {
+                let base = *base;
+                let end = base + ((buckets.len() as u64) << *shift);
+                let (lo, hi) = (lo.max(base), hi.min(end));
+                if lo >= hi {
+                    return Box::new(std::iter::empty());
+                }
+                let first = ((lo - base) >> *shift) as u32;
+                let last = ((hi - 1 - base) >> *shift) as u32;
+                Box::new(
+                    nonempty
+                        .range(first, last + 1)
+                        .flat_map(move |i| buckets[i as usize].iter().copied())
+                        .filter(move |&s| s >= lo && s < hi),
+                )
+            }
+        }
+    }
+}
+
 /// Free ranges keyed by start address.
 #[derive(Debug, Clone)]
 pub(crate) struct AddrIndex<T> {
     starts: FxHashMap<u64, Span<T>>,
     /// End address -> start address.
     ends: FxHashMap<u64, u64>,
-    order: BTreeSet<u64>,
+    order: Order,
 }
 
 impl<T> Default for AddrIndex<T> {
@@ -38,12 +192,29 @@ impl<T> Default for AddrIndex<T> {
         AddrIndex {
             starts: FxHashMap::default(),
             ends: FxHashMap::default(),
-            order: BTreeSet::new(),
+            order: Order::Tree(BTreeSet::new()),
         }
     }
 }
 
 impl<T: Copy> AddrIndex<T> {
+    /// An empty index for ranges inside `[base, base + len)`, ordered by
+    /// buckets of `1 << shift` bytes (a granule).
+    pub(crate) fn for_reservation(base: u64, len: u64, shift: u32) -> Self {
+        let n = len.div_ceil(1 << shift) as usize;
+        AddrIndex {
+            starts: FxHashMap::default(),
+            ends: FxHashMap::default(),
+            order: Order::Buckets {
+                base,
+                shift,
+                buckets: vec![Vec::new(); n],
+                nonempty: GranuleSet::new(n),
+                len: 0,
+            },
+        }
+    }
+
     /// Adds a range starting at `addr`.
     #[inline]
     pub(crate) fn insert(&mut self, addr: u64, s: Span<T>) {
@@ -59,7 +230,7 @@ impl<T: Copy> AddrIndex<T> {
     pub(crate) fn remove(&mut self, addr: u64) -> Option<Span<T>> {
         let s = self.starts.remove(&addr)?;
         self.ends.remove(&(addr + s.len));
-        self.order.remove(&addr);
+        self.order.remove(addr);
         Some(s)
     }
 
@@ -94,7 +265,7 @@ impl<T: Copy> AddrIndex<T> {
     /// The range starting at or before `addr` with the highest start (it
     /// covers `addr` if it reaches past it).
     pub(crate) fn at_or_before(&self, addr: u64) -> Option<(u64, Span<T>)> {
-        let &a = self.order.range(..=addr).next_back()?;
+        let a = self.order.at_or_before(addr)?;
         Some((a, self.starts[&a]))
     }
 
@@ -104,14 +275,12 @@ impl<T: Copy> AddrIndex<T> {
         lo: u64,
         hi: u64,
     ) -> impl Iterator<Item = (u64, Span<T>)> + '_ {
-        self.order
-            .range(lo..hi.max(lo))
-            .map(|a| (*a, self.starts[a]))
+        self.order.range(lo, hi).map(|a| (a, self.starts[&a]))
     }
 
     /// Every range, in address order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, Span<T>)> + '_ {
-        self.order.iter().map(|a| (*a, self.starts[a]))
+        self.order.range(0, u64::MAX).map(|a| (a, self.starts[&a]))
     }
 
     /// Ranges held.
@@ -126,7 +295,7 @@ impl<T: Copy> AddrIndex<T> {
             && self
                 .starts
                 .iter()
-                .all(|(a, s)| self.ends.get(&(a + s.len)) == Some(a) && self.order.contains(a))
+                .all(|(a, s)| self.ends.get(&(a + s.len)) == Some(a) && self.order.contains(*a))
     }
 }
 
@@ -136,7 +305,44 @@ mod tests {
 
     #[test]
     fn lookups_by_start_end_and_order() {
-        let mut ix: AddrIndex<u8> = AddrIndex::default();
+        lookups_by_start_end_and_order_in(AddrIndex::default());
+        lookups_by_start_end_and_order_in(AddrIndex::for_reservation(0, 0x10_0000, 12));
+    }
+
+    /// Bucketed order against the tree, on random inserts and removals
+    /// of non-overlapping ranges.
+    #[test]
+    fn buckets_order_like_a_tree() {
+        let (base, shift) = (0x7000_0000u64, 16);
+        let mut b: AddrIndex<u8> = AddrIndex::for_reservation(base, 64 << shift, shift);
+        let mut t: AddrIndex<u8> = AddrIndex::default();
+        let mut x = 99u64;
+        for _ in 0..4_000 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            // Slots of 4 KiB, ranges of one slot: never overlapping.
+            let a = base + ((x >> 20) % (64 << 4)) * 4096;
+            if t.get(a).is_some() {
+                assert_eq!(b.remove(a), t.remove(a));
+            } else {
+                let sp = Span { len: 4096, tag: 0 };
+                b.insert(a, sp);
+                t.insert(a, sp);
+            }
+            let p = base.saturating_sub(4096) + (x >> 7) % ((66 << shift) + 8192);
+            assert_eq!(b.at_or_before(p), t.at_or_before(p), "at or before {p:#x}");
+            let q = p + (x >> 40) % (3 << shift);
+            let got: Vec<u64> = b.starting_in(p, q).map(|r| r.0).collect();
+            let want: Vec<u64> = t.starting_in(p, q).map(|r| r.0).collect();
+            assert_eq!(got, want, "starting in [{p:#x}, {q:#x})");
+        }
+        assert_eq!(b.len(), t.len());
+        assert!(b.consistent() && t.consistent());
+        assert!(b.iter().eq(t.iter()));
+    }
+
+    fn lookups_by_start_end_and_order_in(mut ix: AddrIndex<u8>) {
         ix.insert(
             0x3000,
             Span {

@@ -104,6 +104,29 @@ impl GranuleSet {
         }
     }
 
+    /// The largest member at or before `g`.
+    #[inline]
+    pub(crate) fn last_at_or_before(&self, g: u32) -> Option<u32> {
+        let g = (g as usize).min((self.words.len() * 64).checked_sub(1)?);
+        let w = g / 64;
+        let here = self.words[w] & (!0u64 >> (63 - g % 64));
+        if here != 0 {
+            return Some((w * 64 + 63 - here.leading_zeros() as usize) as u32);
+        }
+        // The previous non-empty word, through the summary.
+        let w = w.checked_sub(1)?;
+        let mut sw = w / 64;
+        let mut bits = self.summary[sw] & (!0u64 >> (63 - w % 64));
+        loop {
+            if bits != 0 {
+                let w = sw * 64 + 63 - bits.leading_zeros() as usize;
+                return Some((w * 64 + 63 - self.words[w].leading_zeros() as usize) as u32);
+            }
+            sw = sw.checked_sub(1)?;
+            bits = self.summary[sw];
+        }
+    }
+
     /// Every member, ascending.
     pub(crate) fn iter(&self) -> impl Iterator<Item = u32> + '_ {
         self.range(0, u32::MAX)
@@ -145,5 +168,36 @@ mod tests {
         big.remove(4_095);
         assert_eq!(big.iter().collect::<Vec<_>>(), vec![3, 4_096, 69_999]);
         assert_eq!(big.range(4, 69_999).collect::<Vec<_>>(), vec![4_096]);
+        assert_eq!(big.last_at_or_before(69_998), Some(4_096));
+        assert_eq!(big.last_at_or_before(u32::MAX), Some(69_999));
+        assert_eq!(big.last_at_or_before(4_096), Some(4_096));
+        assert_eq!(big.last_at_or_before(4_095), Some(3));
+        assert_eq!(big.last_at_or_before(2), None);
+    }
+
+    #[test]
+    fn predecessor_matches_an_ordered_set() {
+        let mut s = GranuleSet::new(9_000);
+        let mut model = BTreeSet::new();
+        let mut x = 12345u64;
+        for _ in 0..3_000 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let g = ((x >> 33) % 9_000) as u32;
+            if x % 3 == 0 {
+                s.remove(g);
+                model.remove(&g);
+            } else {
+                s.insert(g);
+                model.insert(g);
+            }
+            let probe = ((x >> 13) % 9_100) as u32;
+            assert_eq!(
+                s.last_at_or_before(probe),
+                model.range(..=probe).next_back().copied(),
+                "probe {probe}"
+            );
+        }
     }
 }

@@ -193,6 +193,9 @@ impl Heap {
                 quarantine: BTreeSet::new(),
                 mapped: Fenwick::new((len / gran) as usize),
             };
+            if gran.is_power_of_two() {
+                heap.by_addr = AddrIndex::for_reservation(base, len, gran.trailing_zeros());
+            }
             heap.insert_free(base, len, Tag::Clean);
         }
         Ok(heap)
