@@ -116,13 +116,24 @@ impl ExactCache {
         self.bytes += len;
     }
 
-    /// Removes and returns every parked range as `(slot, len, addr)`.
-    pub(crate) fn drain(&mut self) -> Vec<(u16, u64, u64)> {
+    /// Removes every parked range, passing each to `f` as
+    /// `(slot, len, addr)`. The class lists keep their capacity: a cache
+    /// emptied this way refills at once (freeing every list made each
+    /// refill regrow hundreds of vectors, 7% of random_allocations).
+    pub(crate) fn drain_each(&mut self, mut f: impl FnMut(u16, u64, u64)) {
         self.bytes = 0;
-        let mut out = Vec::new();
-        for ((slot, _), v) in self.map.drain() {
-            out.extend(v.into_iter().map(|(l, a)| (slot, l, a)));
+        for (&(slot, _), v) in &mut self.map {
+            for (l, a) in v.drain(..) {
+                f(slot, l, a);
+            }
         }
+    }
+
+    /// Removes and returns every parked range as `(slot, len, addr)`.
+    #[cfg(test)]
+    fn drain(&mut self) -> Vec<(u16, u64, u64)> {
+        let mut out = Vec::new();
+        self.drain_each(|s, l, a| out.push((s, l, a)));
         out
     }
 

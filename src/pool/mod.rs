@@ -655,11 +655,11 @@ impl PoolShared {
         if h.exact.is_empty() {
             return;
         }
-        for (slot, _, addr) in h.exact.drain() {
-            h.heap
-                .free(addr, Tag::Dirty(slot))
+        let HeapState { exact, heap, .. } = h;
+        exact.drain_each(|slot, _, addr| {
+            heap.free(addr, Tag::Dirty(slot))
                 .expect("parked ranges are allocated");
-        }
+        });
     }
 
     /// One heap allocation for `stream`, with its side effects handled:
@@ -1141,3 +1141,7 @@ impl Drop for PoolShared {
         }
     }
 }
+
+/// zz
+pub static ZZ: [std::sync::atomic::AtomicU64; 4] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 4];
