@@ -100,8 +100,10 @@ pub(crate) struct Heap {
     phys: Physical,
     by_addr: AddrIndex<Tag>,
     by_tag: FxHashMap<Tag, SizeIndex>,
-    /// Allocated ranges: addr -> len.
-    allocated: FxHashMap<u64, u64>,
+    /// Allocated ranges: addr -> (len, the caller's owner word). One map
+    /// serves both the heap and the pool's record of live large blocks,
+    /// so a large allocation or free costs one hash lookup, not two.
+    allocated: FxHashMap<u64, Allocated>,
     reserved: u64,
     allocated_bytes: u64,
     next_pending: u32,
@@ -119,6 +121,14 @@ pub(crate) struct Heap {
     pub device_frees: u64,
     /// Peer devices granted access to every mapped chunk (see `peer.rs`).
     peers: Vec<usize>,
+}
+
+/// An allocated range's length and the word its owner keeps with it.
+#[derive(Debug, Clone, Copy)]
+struct Allocated {
+    len: u64,
+    /// 0 until [`Heap::set_owner`]; the pool encodes live large blocks.
+    owner: u64,
 }
 
 fn align_up(v: u64, a: u64) -> u64 {
@@ -716,7 +726,7 @@ impl Heap {
                 self.retag_granule(g, start, len, Tag::Dirty(slot));
             }
         }
-        self.allocated.insert(start, len);
+        self.allocated.insert(start, Allocated { len, owner: 0 });
         self.allocated_bytes += len;
         let waits = match r.tag {
             Tag::Pending(id) => vec![id],
@@ -1202,7 +1212,33 @@ impl Heap {
 
     /// The length of the allocated range at `addr`, if any.
     pub(crate) fn allocated_len(&self, addr: u64) -> Option<u64> {
-        self.allocated.get(&addr).copied()
+        self.allocated.get(&addr).map(|a| a.len)
+    }
+
+    /// Sets the owner word of the allocated range at `addr`; false if no
+    /// range starts there.
+    #[inline]
+    pub(crate) fn set_owner(&mut self, addr: u64, owner: u64) -> bool {
+        match self.allocated.get_mut(&addr) {
+            Some(a) => {
+                a.owner = owner;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The length and owner word of the allocated range at `addr`.
+    pub(crate) fn allocated_at(&self, addr: u64) -> Option<(u64, u64)> {
+        self.allocated.get(&addr).map(|a| (a.len, a.owner))
+    }
+
+    /// Allocated ranges with a non-zero owner word: `(addr, len, owner)`.
+    pub(crate) fn owned(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        self.allocated
+            .iter()
+            .filter(|(_, a)| a.owner != 0)
+            .map(|(&addr, a)| (addr, a.len, a.owner))
     }
 
     /// Whether `addr` lies in free memory of the heap.
@@ -1212,10 +1248,14 @@ impl Heap {
 
     /// Returns an allocated range with `tag`.
     pub(crate) fn free(&mut self, addr: u64, tag: Tag) -> Result<u64> {
-        let len = self.allocated.remove(&addr).ok_or(Error::UnknownPointer {
-            ptr: addr,
-            device: self.dev,
-        })?;
+        let len = self
+            .allocated
+            .remove(&addr)
+            .map(|a| a.len)
+            .ok_or(Error::UnknownPointer {
+                ptr: addr,
+                device: self.dev,
+            })?;
         self.allocated_bytes -= len;
         self.insert_free(addr, len, tag);
         if let Physical::Vmm { base, .. } = &self.phys {
@@ -1417,7 +1457,7 @@ impl Heap {
         if !self.by_addr.consistent() {
             return Err("address index: start, end and order maps disagree".into());
         }
-        spans.extend(self.allocated.iter().map(|(&a, &l)| (a, l, None)));
+        spans.extend(self.allocated.iter().map(|(&a, l)| (a, l.len, None)));
         if let Physical::Vmm {
             base, quarantine, ..
         } = &self.phys
@@ -1451,7 +1491,7 @@ impl Heap {
                 self.by_addr.len()
             ));
         }
-        if self.allocated.values().sum::<u64>() != self.allocated_bytes {
+        if self.allocated.values().map(|a| a.len).sum::<u64>() != self.allocated_bytes {
             return Err("allocated byte count drifted".into());
         }
         let f = self.figures();
@@ -1479,7 +1519,7 @@ impl Heap {
                 if covered != *len {
                     return Err(format!("ranges cover {covered} of {len} bytes"));
                 }
-                for (a, l) in &self.allocated {
+                for (a, l) in self.allocated.iter().map(|(a, l)| (a, l.len)) {
                     let first = (a - base) / self.gran;
                     let last = (a + l - 1 - base) / self.gran;
                     if (first..=last).any(|g| granules[g as usize].chunk.is_none()) {
@@ -1505,7 +1545,7 @@ impl Heap {
 
     /// Every allocated range (for snapshots).
     pub(crate) fn allocated_ranges(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.allocated.iter().map(|(&a, &l)| (a, l))
+        self.allocated.iter().map(|(&a, l)| (a, l.len))
     }
 
     /// Gives everything back to the device (pool teardown). Allocated ranges
@@ -1560,7 +1600,7 @@ impl Heap {
         let mut items: Vec<(u64, u64, Piece)> = self
             .allocated
             .iter()
-            .map(|(&a, &l)| (a, l, Piece::Allocated))
+            .map(|(&a, l)| (a, l.len, Piece::Allocated))
             .collect();
         for (a, r) in self.by_addr.iter() {
             for (s, l) in self.mapped_parts(a, r.len) {

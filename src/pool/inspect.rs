@@ -5,7 +5,7 @@ use super::heap::{Piece, Tag};
 use super::pending::Pending;
 use super::snapshot::{BlockInfo, BlockState, HistoryEvent, SegmentInfo, Snapshot};
 use super::stream::STREAM_SLOTS;
-use super::{PoolShared, PoolStats};
+use super::{LargeLive, PoolShared, PoolStats};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -119,11 +119,7 @@ impl PoolShared {
         let live_slots =
             h.slab_bytes - c.free_bytes - c.pending_bytes - h.slab_tail_bytes - magazines;
         let large_live = f.allocated - h.slab_bytes - h.exact.bytes - mv_regions;
-        let large_ranges: u64 = h
-            .large
-            .keys()
-            .map(|a| h.heap.allocated_len(*a).unwrap_or(0))
-            .sum();
+        let large_ranges: u64 = h.heap.owned().map(|(_, len, _)| len).sum();
         let (allocated, active, _, _) = self.counters.totals();
         let parked = h.exact.bytes;
         drop(h);
@@ -189,7 +185,10 @@ impl PoolShared {
                             (0, BlockState::Inactive)
                         } else {
                             (
-                                h.large.get(&addr).map_or(0, |l| l.requested),
+                                h.heap
+                                    .allocated_at(addr)
+                                    .and_then(|(_, w)| LargeLive::from_word(w))
+                                    .map_or(0, |l| l.requested),
                                 BlockState::ActiveAllocated,
                             )
                         };

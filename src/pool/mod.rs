@@ -77,8 +77,6 @@ struct HeapState {
     /// Slab ids free for reuse.
     /// Retired slab ids by class (an id is only reused within its class).
     free_slab_ids: Vec<Vec<u32>>,
-    /// Live large blocks by address.
-    large: HashMap<u64, LargeLive>,
     /// Movable regions given back to the heap since compaction last
     /// released memory: `(addr, len)`.
     freed_regions: Vec<(u64, u64)>,
@@ -141,11 +139,28 @@ pub struct DevicePool {
     default_stream: Stream,
 }
 
-/// A live large block.
-#[derive(Debug, Clone, Copy)]
+/// A live large block, kept as the heap's owner word of its range (0, the
+/// heap's default, marks a slab or a parked range).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct LargeLive {
     requested: u64,
     raw: bool,
+}
+
+impl LargeLive {
+    const RAW: u64 = 1 << 63;
+
+    /// Never 0.
+    fn word(self) -> u64 {
+        (self.requested + 1) | if self.raw { Self::RAW } else { 0 }
+    }
+
+    fn from_word(w: u64) -> Option<LargeLive> {
+        (w != 0).then(|| LargeLive {
+            requested: (w & !Self::RAW) - 1,
+            raw: w & Self::RAW != 0,
+        })
+    }
 }
 
 /// Where a block's memory came from.
@@ -176,7 +191,6 @@ impl DevicePool {
                 heap,
                 group_events: HashMap::default(),
                 free_slab_ids: vec![Vec::new(); classes_len],
-                large: HashMap::default(),
                 exact: exact::ExactCache::default(),
                 freed_regions: Vec::new(),
                 quarantine: Vec::new(),
@@ -546,13 +560,13 @@ impl PoolShared {
     fn alloc_large(&self, len: u64, live: LargeLive, stream: &Stream) -> Result<(u64, u64)> {
         let size = live.requested;
         let keep = |h: &mut HeapState, addr: u64| {
-            h.large.insert(addr, live);
+            h.heap.set_owner(addr, live.word());
             Ok((addr, len))
         };
         {
             let mut h = self.heap.lock();
             if let Some((addr, parked)) = stream.slot().and_then(|s| h.exact.take(s, len)) {
-                h.large.insert(addr, live);
+                h.heap.set_owner(addr, live.word());
                 return Ok((addr, parked));
             }
             if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
@@ -885,9 +899,11 @@ impl PoolShared {
                 self.counters.on_free(requested, len);
                 let addr = ptr.addr();
                 let mut h = self.heap.lock();
-                h.large.remove(&addr);
                 match slot {
-                    Some(s) if extra.is_empty() => h.exact.put(s, len, addr),
+                    Some(s) if extra.is_empty() => {
+                        h.heap.set_owner(addr, 0);
+                        h.exact.put(s, len, addr)
+                    }
                     _ => {
                         let id = h.heap.new_pending_group();
                         h.heap
@@ -986,7 +1002,11 @@ impl PoolShared {
         }
         let (requested, len) = {
             let h = self.heap.lock();
-            let requested = match h.large.get(&addr) {
+            let live = h
+                .heap
+                .allocated_at(addr)
+                .and_then(|(_, w)| LargeLive::from_word(w));
+            let requested = match live {
                 Some(l) if l.raw => l.requested,
                 Some(_) => {
                     return Err(Error::InvalidArgument(format!(
@@ -1038,8 +1058,9 @@ impl PoolShared {
         }
         self.heap
             .lock()
-            .large
-            .get(&addr)
+            .heap
+            .allocated_at(addr)
+            .and_then(|(_, w)| LargeLive::from_word(w))
             .filter(|l| l.raw)
             .map(|l| l.requested)
     }
