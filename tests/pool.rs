@@ -3,6 +3,7 @@
 
 use gpupool::backend::sim::{SimBackend, SimConfig};
 use gpupool::backend::Backend;
+use gpupool::pool::BlockState;
 use gpupool::{BackendKind, DevicePool, DevicePtr, Error, PoolConfig, Runtime};
 use std::sync::Arc;
 use std::time::Duration;
@@ -718,5 +719,52 @@ fn snapshot_covers_reserved_memory_and_live_blocks() {
     assert!(h.windows(2).all(|w| w[0].time_us <= w[1].time_us));
     dev.free_raw(raw, &s).unwrap();
     drop(blocks);
+    dev.audit().unwrap();
+}
+
+/// A parked large range keeps its last owner's record until reused: the
+/// pool must still report it as inactive, serve it to the raw API with
+/// exact double-free detection, and audit exactly.
+#[test]
+fn parked_large_ranges_change_hands_between_blocks_and_raw_pointers() {
+    let rt = sim_runtime(1, 8 << 30);
+    let dev = rt.device(0).unwrap();
+    let s = dev.new_stream().unwrap();
+    let state_at = |addr: u64| {
+        dev.snapshot()
+            .segments
+            .iter()
+            .flat_map(|seg| seg.blocks.iter())
+            .find(|b| b.address == addr)
+            .map(|b| (b.requested_size, b.state))
+    };
+    let b = dev.alloc((3 * MIB) as usize, &s).unwrap();
+    let addr = b.ptr().addr();
+    drop(b);
+    dev.audit().unwrap();
+    assert_eq!(state_at(addr), Some((0, BlockState::Inactive)), "parked");
+    assert!(matches!(
+        dev.free_raw(DevicePtr(addr), &s),
+        Err(Error::InvalidArgument(_) | Error::DoubleFree { .. })
+    ));
+    let raw = dev.alloc_raw((3 * MIB) as usize, &s).unwrap();
+    assert_eq!(raw.addr(), addr, "the parked range is reused");
+    assert_eq!(state_at(addr), Some((3 * MIB, BlockState::ActiveAllocated)));
+    dev.audit().unwrap();
+    dev.free_raw(raw, &s).unwrap();
+    assert!(matches!(
+        dev.free_raw(raw, &s),
+        Err(Error::DoubleFree { .. })
+    ));
+    dev.audit().unwrap();
+    let b = dev.alloc((3 * MIB - 1000) as usize, &s).unwrap();
+    assert_eq!(b.ptr().addr(), addr);
+    assert_eq!(
+        state_at(addr),
+        Some((3 * MIB - 1000, BlockState::ActiveAllocated))
+    );
+    dev.audit().unwrap();
+    drop(b);
+    assert_eq!(state_at(addr), Some((0, BlockState::Inactive)));
     dev.audit().unwrap();
 }

@@ -127,7 +127,8 @@ pub(crate) struct Heap {
 #[derive(Debug, Clone, Copy)]
 struct Allocated {
     len: u64,
-    /// 0 until [`Heap::set_owner`]; the pool encodes live large blocks.
+    /// 0 until [`Heap::set_owner`]; the pool encodes live large blocks
+    /// (and leaves the word of a range it parks: see `PoolShared::free_block`).
     owner: u64,
 }
 

@@ -119,7 +119,15 @@ impl PoolShared {
         let live_slots =
             h.slab_bytes - c.free_bytes - c.pending_bytes - h.slab_tail_bytes - magazines;
         let large_live = f.allocated - h.slab_bytes - h.exact.bytes - mv_regions;
-        let large_ranges: u64 = h.heap.owned().map(|(_, len, _)| len).sum();
+        // Parked ranges keep their last owner word: the cache says they
+        // are not live.
+        let parked_addrs: HashSet<u64> = h.exact.addrs().collect();
+        let large_ranges: u64 = h
+            .heap
+            .owned()
+            .filter(|(a, _, _)| !parked_addrs.contains(a))
+            .map(|(_, len, _)| len)
+            .sum();
         let (allocated, active, _, _) = self.counters.totals();
         let parked = h.exact.bytes;
         drop(h);

@@ -900,10 +900,11 @@ impl PoolShared {
                 let addr = ptr.addr();
                 let mut h = self.heap.lock();
                 match slot {
-                    Some(s) if extra.is_empty() => {
-                        h.heap.set_owner(addr, 0);
-                        h.exact.put(s, len, addr)
-                    }
+                    // The owner word stays: parking is authoritative for
+                    // parked ranges (a raw free clears the word first, for
+                    // double-free detection), so a park touches no map
+                    // but the cache's.
+                    Some(s) if extra.is_empty() => h.exact.put(s, len, addr),
                     _ => {
                         let id = h.heap.new_pending_group();
                         h.heap
@@ -1001,7 +1002,7 @@ impl PoolShared {
             return Ok(());
         }
         let (requested, len) = {
-            let h = self.heap.lock();
+            let mut h = self.heap.lock();
             let live = h
                 .heap
                 .allocated_at(addr)
@@ -1028,6 +1029,7 @@ impl PoolShared {
                     })
                 }
             };
+            h.heap.set_owner(addr, 0);
             (
                 requested,
                 h.heap
