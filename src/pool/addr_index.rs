@@ -37,15 +37,91 @@ pub(crate) struct Span<T> {
 enum Order {
     /// Any addresses.
     Tree(BTreeSet<u64>),
-    /// Addresses in `[base, base + buckets.len() << shift)`: bucket `i`
-    /// holds the sorted starts in `[base + i << shift, base + i+1 << shift)`.
-    Buckets {
-        base: u64,
-        shift: u32,
-        buckets: Vec<Vec<u64>>,
-        nonempty: GranuleSet,
-        len: usize,
-    },
+    /// Addresses inside one reservation.
+    Buckets(Buckets),
+}
+
+/// Addresses in `[base, base + buckets.len() << shift)`: bucket `i` holds
+/// the sorted starts in `[base + i << shift, base + (i+1) << shift)`, and
+/// `nonempty` has bit `i` set while it holds any.
+#[derive(Debug, Clone)]
+struct Buckets {
+    base: u64,
+    shift: u32,
+    buckets: Vec<Vec<u64>>,
+    nonempty: GranuleSet,
+    len: usize,
+}
+
+impl Buckets {
+    /// The bucket of `a`, clamped to the last one.
+    #[inline]
+    fn of(&self, a: u64) -> Option<usize> {
+        let i = (a.checked_sub(self.base)? >> self.shift) as usize;
+        Some(i.min(self.buckets.len().checked_sub(1)?))
+    }
+
+    #[inline]
+    fn insert(&mut self, a: u64) {
+        let i = self.of(a).expect("address inside the reservation");
+        let b = &mut self.buckets[i];
+        if let Err(at) = b.binary_search(&a) {
+            b.insert(at, a);
+            self.len += 1;
+            if b.len() == 1 {
+                self.nonempty.insert(i as u32);
+            }
+        }
+    }
+
+    #[inline]
+    fn remove(&mut self, a: u64) {
+        let Some(i) = self.of(a) else { return };
+        let b = &mut self.buckets[i];
+        if let Ok(at) = b.binary_search(&a) {
+            b.remove(at);
+            self.len -= 1;
+            if b.is_empty() {
+                self.nonempty.remove(i as u32);
+            }
+        }
+    }
+
+    fn contains(&self, a: u64) -> bool {
+        self.of(a)
+            .is_some_and(|i| self.buckets[i].binary_search(&a).is_ok())
+    }
+
+    fn at_or_before(&self, a: u64) -> Option<u64> {
+        let i = self.of(a)?;
+        let here = &self.buckets[i];
+        let k = here.partition_point(|&s| s <= a);
+        if k > 0 {
+            return Some(here[k - 1]);
+        }
+        let j = self
+            .nonempty
+            .last_at_or_before((i as u32).checked_sub(1)?)?;
+        self.buckets[j as usize].last().copied()
+    }
+
+    fn range(&self, lo: u64, hi: u64) -> impl Iterator<Item = u64> + '_ {
+        let end = self.base + ((self.buckets.len() as u64) << self.shift);
+        let (lo, hi) = (lo.max(self.base), hi.min(end));
+        // An empty bucket range when nothing of [lo, hi) is inside.
+        let (first, last) = if lo < hi {
+            (
+                self.of(lo).unwrap_or(0) as u32,
+                self.of(hi - 1).unwrap_or(0) as u32 + 1,
+            )
+        } else {
+            (0, 0)
+        };
+        self.nonempty
+            .range(first, last)
+            .flat_map(move |i| self.buckets[i as usize].iter().copied())
+            .filter(move |&s| s >= lo && s < hi)
+    }
 }
 
 impl Order {
@@ -55,23 +131,7 @@ impl Order {
             Order::Tree(t) => {
                 t.insert(a);
             }
-            Order::Buckets {
-                base,
-                shift,
-                buckets,
-                nonempty,
-                len,
-            } => {
-                let i = ((a - *base) >> *shift) as usize;
-                let b = &mut buckets[i];
-                if let Err(at) = b.binary_search(&a) {
-                    b.insert(at, a);
-                    *len += 1;
-                    if b.len() == 1 {
-                        nonempty.insert(i as u32);
-                    }
-                }
-            }
+            Order::Buckets(b) => b.insert(a),
         }
     }
 
@@ -81,45 +141,21 @@ impl Order {
             Order::Tree(t) => {
                 t.remove(&a);
             }
-            Order::Buckets {
-                base,
-                shift,
-                buckets,
-                nonempty,
-                len,
-            } => {
-                let i = ((a - *base) >> *shift) as usize;
-                let b = &mut buckets[i];
-                if let Ok(at) = b.binary_search(&a) {
-                    b.remove(at);
-                    *len -= 1;
-                    if b.is_empty() {
-                        nonempty.remove(i as u32);
-                    }
-                }
-            }
+            Order::Buckets(b) => b.remove(a),
         }
     }
 
     fn len(&self) -> usize {
         match self {
             Order::Tree(t) => t.len(),
-            Order::Buckets { len, .. } => *len,
+            Order::Buckets(b) => b.len,
         }
     }
 
     fn contains(&self, a: u64) -> bool {
         match self {
             Order::Tree(t) => t.contains(&a),
-            Order::Buckets {
-                base,
-                shift,
-                buckets,
-                ..
-            } => a
-                .checked_sub(*base)
-                .and_then(|o| buckets.get((o >> *shift) as usize))
-                .is_some_and(|b| b.binary_search(&a).is_ok()),
+            Order::Buckets(b) => b.contains(a),
         }
     }
 
@@ -127,53 +163,15 @@ impl Order {
     fn at_or_before(&self, a: u64) -> Option<u64> {
         match self {
             Order::Tree(t) => t.range(..=a).next_back().copied(),
-            Order::Buckets {
-                base,
-                shift,
-                buckets,
-                nonempty,
-                ..
-            } => {
-                let o = a.checked_sub(*base)?;
-                let i = ((o >> *shift) as usize).min(buckets.len().checked_sub(1)?);
-                let here = &buckets[i];
-                let k = here.partition_point(|&s| s <= a);
-                if k > 0 {
-                    return Some(here[k - 1]);
-                }
-                let j = nonempty.last_at_or_before((i as u32).checked_sub(1)?)?;
-                buckets[j as usize].last().copied()
-            }
+            Order::Buckets(b) => b.at_or_before(a),
         }
     }
 
     /// Starts in `[lo, hi)`, ascending.
     fn range(&self, lo: u64, hi: u64) -> Box<dyn Iterator<Item = u64> + '_> {
-        let hi = hi.max(lo);
         match self {
-            Order::Tree(t) => Box::new(t.range(lo..hi).copied()),
-            Order::Buckets {
-                base,
-                shift,
-                buckets,
-                nonempty,
-                ..
-            } => {
-                let base = *base;
-                let end = base + ((buckets.len() as u64) << *shift);
-                let (lo, hi) = (lo.max(base), hi.min(end));
-                if lo >= hi {
-                    return Box::new(std::iter::empty());
-                }
-                let first = ((lo - base) >> *shift) as u32;
-                let last = ((hi - 1 - base) >> *shift) as u32;
-                Box::new(
-                    nonempty
-                        .range(first, last + 1)
-                        .flat_map(move |i| buckets[i as usize].iter().copied())
-                        .filter(move |&s| s >= lo && s < hi),
-                )
-            }
+            Order::Tree(t) => Box::new(t.range(lo..hi.max(lo)).copied()),
+            Order::Buckets(b) => Box::new(b.range(lo, hi)),
         }
     }
 }
@@ -205,13 +203,13 @@ impl<T: Copy> AddrIndex<T> {
         AddrIndex {
             starts: FxHashMap::default(),
             ends: FxHashMap::default(),
-            order: Order::Buckets {
+            order: Order::Buckets(Buckets {
                 base,
                 shift,
                 buckets: vec![Vec::new(); n],
                 nonempty: GranuleSet::new(n),
                 len: 0,
-            },
+            }),
         }
     }
 
