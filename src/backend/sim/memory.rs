@@ -14,7 +14,8 @@
 
 use super::SimBacking;
 use crate::error::{Error, Result};
-use std::collections::{BTreeMap, HashMap};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 /// One physical chunk.
@@ -67,7 +68,7 @@ pub(super) struct DeviceMemory {
     file_free: BTreeMap<u64, u64>,
     /// Bytes of physical memory held (chunks and segments).
     pub(super) used: u64,
-    chunks: HashMap<u64, Chunk>,
+    chunks: FxHashMap<u64, Chunk>,
     next_chunk: u64,
     reservations: BTreeMap<u64, Reservation>,
     /// Every mapped range (chunk mappings and segments): va -> range.
@@ -111,7 +112,7 @@ impl DeviceMemory {
             file_len: 0,
             file_free: BTreeMap::new(),
             used: 0,
-            chunks: HashMap::new(),
+            chunks: FxHashMap::default(),
             next_chunk: 1,
             reservations: BTreeMap::new(),
             mapped: BTreeMap::new(),
@@ -322,20 +323,19 @@ impl DeviceMemory {
                 "[{va:#x}, +{bytes}) is already mapped"
             )));
         }
+        let (device, backing, fd) = (self.device, self.backing, self.fd());
         let c = self
             .chunks
-            .get(&chunk)
+            .get_mut(&chunk)
             .filter(|c| !c.released)
-            .ok_or_else(|| {
-                Error::InvalidHandle(format!("chunk {chunk} on device {}", self.device))
-            })?;
+            .ok_or_else(|| Error::InvalidHandle(format!("chunk {chunk} on device {device}")))?;
         if chunk_offset + bytes > c.len {
             return Err(Error::InvalidArgument(format!(
                 "chunk {chunk} has {} bytes; cannot map {bytes} at offset {chunk_offset}",
                 c.len
             )));
         }
-        if self.backing == SimBacking::Memory {
+        if backing == SimBacking::Memory {
             // SAFETY: [va, va+bytes) lies inside a PROT_NONE reservation we own
             // and holds no other mapping (checked above), so MAP_FIXED replaces
             // only our own reservation pages; the file range is inside the memfd.
@@ -345,7 +345,7 @@ impl DeviceMemory {
                     bytes as usize,
                     libc::PROT_READ | libc::PROT_WRITE,
                     libc::MAP_SHARED | libc::MAP_FIXED,
-                    self.fd(),
+                    fd,
                     (c.file_offset + chunk_offset) as libc::off_t,
                 )
             };
@@ -353,7 +353,7 @@ impl DeviceMemory {
                 return Err(os_err("cuMemMap(mmap)"));
             }
         }
-        self.chunks.get_mut(&chunk).expect("checked above").maps += 1;
+        c.maps += 1;
         self.mapped.insert(
             va,
             Mapped {
@@ -375,12 +375,11 @@ impl DeviceMemory {
 
     /// Unmaps whole mappings exactly covering `[va, va+bytes)`.
     pub(super) fn unmap(&mut self, va: u64, bytes: u64) -> Result<()> {
+        // Checked first, removed after: a bad call changes nothing.
         let mut cursor = va;
-        let mut parts = Vec::new();
         while cursor < va + bytes {
             match self.mapped.get(&cursor) {
                 Some(m) if matches!(m.backing, Backing::Chunk { .. }) => {
-                    parts.push(cursor);
                     cursor += m.len;
                 }
                 _ => {
@@ -412,8 +411,10 @@ impl DeviceMemory {
                 return Err(os_err("cuMemUnmap(mmap)"));
             }
         }
-        for start in parts {
-            let m = self.mapped.remove(&start).expect("collected above");
+        let mut start = va;
+        while start < va + bytes {
+            let m = self.mapped.remove(&start).expect("walked above");
+            start += m.len;
             if let Backing::Chunk { chunk } = m.backing {
                 let c = self.chunks.get_mut(&chunk).expect("mapped chunk exists");
                 c.maps -= 1;
