@@ -47,6 +47,11 @@ pub(crate) enum Tag {
 /// A free range's length and tag.
 type FreeRange = Span<Tag>;
 
+/// The free ranges covering one granule `(addr, len, tag)`: usually one to
+/// three, kept on the stack (stitching asks for the cover of every idle
+/// granule it considers).
+type Cover = smallvec::SmallVec<[(u64, u64, Tag); 4]>;
+
 #[derive(Debug, Clone, Copy, Default)]
 struct Granule {
     chunk: Option<ChunkHandle>,
@@ -966,7 +971,7 @@ impl Heap {
 
     /// The free ranges covering granule `g`: `(addr, len, tag)`, or `None`
     /// if part of it is not free.
-    fn granule_cover(&self, g: u32) -> Option<Vec<(u64, u64, Tag)>> {
+    fn granule_cover(&self, g: u32) -> Option<Cover> {
         let Physical::Vmm { base, .. } = &self.phys else {
             return None;
         };
@@ -974,7 +979,7 @@ impl Heap {
             *base + g as u64 * self.gran,
             *base + (g as u64 + 1) * self.gran,
         );
-        let mut out = Vec::new();
+        let mut out = Cover::new();
         let (a, r) = self.by_addr.at_or_before(gs)?;
         if a + r.len <= gs {
             return None;
