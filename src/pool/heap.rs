@@ -1221,16 +1221,13 @@ impl Heap {
         self.allocated.get(&addr).map(|a| a.len)
     }
 
-    /// Sets the owner word of the allocated range at `addr`; false if no
-    /// range starts there.
+    /// Sets the owner word of the allocated range at `addr`.
     #[inline]
-    pub(crate) fn set_owner(&mut self, addr: u64, owner: u64) -> bool {
-        match self.allocated.get_mut(&addr) {
-            Some(a) => {
-                a.owner = owner;
-                true
-            }
-            None => false,
+    pub(crate) fn set_owner(&mut self, addr: u64, owner: u64) {
+        let a = self.allocated.get_mut(&addr);
+        debug_assert!(a.is_some(), "no allocated range at {addr:#x}");
+        if let Some(a) = a {
+            a.owner = owner;
         }
     }
 

@@ -193,10 +193,7 @@ impl PoolShared {
                             (0, BlockState::Inactive)
                         } else {
                             (
-                                h.heap
-                                    .allocated_at(addr)
-                                    .and_then(|(_, w)| LargeLive::from_word(w))
-                                    .map_or(0, |l| l.requested),
+                                LargeLive::at(&h.heap, addr).map_or(0, |l| l.requested),
                                 BlockState::ActiveAllocated,
                             )
                         };

@@ -161,6 +161,12 @@ impl LargeLive {
             raw: w & Self::RAW != 0,
         })
     }
+
+    /// The record of the allocated range at `addr` (a parked range still
+    /// shows its last block's: callers that care ask the parking cache).
+    fn at(heap: &heap::Heap, addr: u64) -> Option<LargeLive> {
+        Self::from_word(heap.allocated_at(addr)?.1)
+    }
 }
 
 /// Where a block's memory came from.
@@ -556,7 +562,7 @@ impl PoolShared {
     }
 
     /// A large range of `len` bytes (or, from the parking cache, up to
-    /// 1/64 more): `(addr, its length)`.
+    /// 3/64 more): `(addr, its length)`.
     fn alloc_large(&self, len: u64, live: LargeLive, stream: &Stream) -> Result<(u64, u64)> {
         let size = live.requested;
         let keep = |h: &mut HeapState, addr: u64| {
@@ -692,12 +698,15 @@ impl PoolShared {
             // A group with a stream whose event could not be recorded
             // cannot be waited on (only `trim` releases it): the heap must
             // neither hand it over nor stitch its granules.
-            let blocked = h
-                .group_events
-                .iter()
-                .filter(|(_, w)| !w.unrecorded.is_empty())
-                .map(|(&id, _)| id);
-            h.heap.set_blocked(blocked.collect::<Vec<_>>());
+            let HeapState {
+                heap, group_events, ..
+            } = &mut *h;
+            heap.set_blocked(
+                group_events
+                    .iter()
+                    .filter(|(_, w)| !w.unrecorded.is_empty())
+                    .map(|(&id, _)| id),
+            );
         }
         let r = h.heap.alloc(len, align, stream.slot(), pending_ok);
         if h.heap.device_allocs != device_allocs {
@@ -1003,11 +1012,7 @@ impl PoolShared {
         }
         let (requested, len) = {
             let mut h = self.heap.lock();
-            let live = h
-                .heap
-                .allocated_at(addr)
-                .and_then(|(_, w)| LargeLive::from_word(w));
-            let requested = match live {
+            let requested = match LargeLive::at(&h.heap, addr) {
                 Some(l) if l.raw => l.requested,
                 Some(_) => {
                     return Err(Error::InvalidArgument(format!(
@@ -1058,11 +1063,7 @@ impl PoolShared {
                 .is_raw_live(slot.idx)
                 .then(|| self.slabs.requested(slot.idx));
         }
-        self.heap
-            .lock()
-            .heap
-            .allocated_at(addr)
-            .and_then(|(_, w)| LargeLive::from_word(w))
+        LargeLive::at(&self.heap.lock().heap, addr)
             .filter(|l| l.raw)
             .map(|l| l.requested)
     }
@@ -1164,7 +1165,3 @@ impl Drop for PoolShared {
         }
     }
 }
-
-/// zz
-pub static ZZ: [std::sync::atomic::AtomicU64; 4] =
-    [const { std::sync::atomic::AtomicU64::new(0) }; 4];
