@@ -349,6 +349,79 @@ fn large_requests_stitch_scattered_free_chunks() {
     drop(blocks);
 }
 
+/// Stitching steals idle granules in runs (a freed block's granules
+/// together). A map that fails part-way must give every granule not yet
+/// mapped back to where it was, with its free pieces and tags, so the
+/// failed request changes nothing the audit or the live data can see, and
+/// a retry succeeds without new device memory.
+#[test]
+fn a_map_failing_part_way_through_a_stitch_changes_nothing() {
+    let rt = sim_runtime(1, 64 * MIB);
+    let dev = rt.device(0).unwrap();
+    let sim = sim_of(dev);
+    let be = dev.backend();
+    let s = dev.new_stream().unwrap();
+    let mut blocks: Vec<_> = (0..16)
+        .map(|_| Some(dev.alloc((4 * MIB) as usize, &s).unwrap()))
+        .collect();
+    for (i, b) in blocks.iter().enumerate() {
+        let b = b.as_ref().unwrap();
+        be.copy_from_host(0, b.ptr(), &[i as u8 + 1; 64]).unwrap();
+        be.copy_from_host(0, b.ptr().offset(4 * MIB - 64), &[i as u8 + 1; 64])
+            .unwrap();
+    }
+    // Freed on `s` and not flushed: the holes are dirty on `s`, so their
+    // granules are stolen by aliasing, in runs of two.
+    for b in blocks.iter_mut().step_by(2) {
+        b.take();
+    }
+    let before = dev.stats();
+    // Granules mapped before a failure stay mapped (idle), so each later
+    // attempt needs fewer maps: 16, 16, 13, 9.
+    for n in [1, 4, 5, 3] {
+        sim.fail_nth_map(0, n).unwrap();
+        match dev.alloc((32 * MIB) as usize, &s) {
+            Err(Error::InjectedFault(_)) => {}
+            other => panic!("map #{n} failing: expected InjectedFault, got {other:?}"),
+        }
+        dev.audit()
+            .unwrap_or_else(|e| panic!("map #{n} failing: audit: {e}"));
+        let after = dev.stats();
+        assert_eq!(
+            (after.allocated_bytes.current, after.reserved_bytes.current),
+            (
+                before.allocated_bytes.current,
+                before.reserved_bytes.current
+            ),
+            "map #{n} failing changed the books"
+        );
+    }
+    sim.fail_nth_map(0, 0).unwrap();
+    let big = dev
+        .alloc((32 * MIB) as usize, &s)
+        .expect("the retry stitches the same holes");
+    assert_eq!(
+        dev.stats().reserved_bytes.current,
+        64 * MIB,
+        "no new device memory"
+    );
+    be.copy_from_host(0, big.ptr().offset(32 * MIB - 8), &[7; 8])
+        .unwrap();
+    for (i, b) in blocks.iter().enumerate() {
+        let Some(b) = b else { continue };
+        let (mut head, mut tail) = ([0u8; 64], [0u8; 64]);
+        be.copy_to_host(0, b.ptr(), &mut head).unwrap();
+        be.copy_to_host(0, b.ptr().offset(4 * MIB - 64), &mut tail)
+            .unwrap();
+        assert_eq!(
+            (head, tail),
+            ([i as u8 + 1; 64], [i as u8 + 1; 64]),
+            "block {i}"
+        );
+    }
+    dev.audit().unwrap();
+}
+
 #[test]
 fn out_of_memory_is_typed_and_reports_figures() {
     let rt = sim_runtime(1, 32 * MIB);

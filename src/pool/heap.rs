@@ -30,7 +30,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::ptr::{ChunkHandle, DevicePtr};
 use rustc_hash::{FxHashMap, FxHashSet};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Who may reuse a free range.
@@ -72,7 +72,7 @@ enum Physical {
         idle: GranuleSet,
         /// Granules whose chunk was stolen while old uses may still run:
         /// still mapped at the backend, excluded from every range.
-        quarantine: BTreeSet<u32>,
+        quarantine: GranuleSet,
         /// Mapped granules (chunk present), for counting any span's in O(log n).
         mapped: Fenwick,
     },
@@ -168,8 +168,7 @@ struct Stolen {
     g: u32,
     chunk: ChunkHandle,
     /// Free pieces carved out of the granule (empty for a clean steal).
-    pieces: Vec<(u64, u64, Tag)>,
-    waits: Vec<u32>,
+    pieces: Cover,
 }
 
 impl Heap {
@@ -206,7 +205,7 @@ impl Heap {
                 granules: vec![Granule::default(); (len / gran) as usize],
                 spare: Vec::new(),
                 idle: GranuleSet::new((len / gran) as usize),
-                quarantine: BTreeSet::new(),
+                quarantine: GranuleSet::new((len / gran) as usize),
                 mapped: Fenwick::new((len / gran) as usize),
             };
             if gran.is_power_of_two() {
@@ -873,37 +872,75 @@ impl Heap {
         if let Physical::Vmm { spare, .. } = &mut self.phys {
             spare.extend(created);
         }
-        for &g in &need {
-            let (chunk, stolen) = match self.take_spare() {
+        // Spare chunks and device allocations now cover all but the victims'
+        // share; steal that share in runs of adjacent granules.
+        victims.truncate(need.len().saturating_sub(self.spare_len()));
+        let mut stolen = Vec::with_capacity(victims.len());
+        if let Err(e) = self.steal_all(&victims, &mut stolen) {
+            for st in stolen {
+                self.unsteal(st);
+            }
+            self.drop_users(first, last);
+            return Err(e);
+        }
+        for (i, &g) in need.iter().enumerate() {
+            let (chunk, st) = match self.take_spare() {
                 Some(c) => (c, None),
                 None => {
-                    let (g, clean) = victims.pop().expect("counted as stealable above");
-                    let Some(st) = self.steal(g, clean) else {
-                        self.drop_users(first, last);
-                        return Err(Error::backend(
-                            "cuMemUnmap",
-                            "could not unmap an idle granule to stitch it",
-                        ));
-                    };
+                    let st = stolen.pop().expect("counted as stealable above");
                     (st.chunk, Some(st))
                 }
             };
             if let Err(e) = self.map_chunk_at(g, chunk) {
-                match stolen {
+                match st {
                     Some(st) => self.unsteal(st),
                     None => self.push_spare(chunk),
                 }
+                for st in stolen {
+                    self.unsteal(st);
+                }
+                debug_assert!(i < need.len());
                 // Granules this call already backed stay mapped: they become
                 // idle below and are reused like any other.
                 self.drop_users(first, last);
                 return Err(e);
             }
-            if let Some(st) = stolen {
-                if !st.pieces.is_empty() {
-                    aliased.push(g);
-                }
-                self.fresh_waits.extend(st.waits);
+            if st.is_some_and(|st| !st.pieces.is_empty()) {
+                aliased.push(g);
             }
+        }
+        Ok(())
+    }
+
+    /// Steals the chunks of `victims` (idle granules in ascending order,
+    /// each with its steal kind), adjacent granules of one kind together.
+    /// Stops at the first clean granule that cannot be unmapped.
+    fn steal_all(&mut self, victims: &[(u32, bool)], out: &mut Vec<Stolen>) -> Result<()> {
+        let mut i = 0;
+        while i < victims.len() {
+            let (g0, clean) = victims[i];
+            let mut n = 1;
+            while i + n < victims.len() && victims[i + n] == (g0 + n as u32, clean) {
+                n += 1;
+            }
+            if clean {
+                for g in g0..g0 + n as u32 {
+                    let Some(chunk) = self.unmap_granule(g) else {
+                        return Err(Error::backend(
+                            "cuMemUnmap",
+                            "could not unmap an idle granule to stitch it",
+                        ));
+                    };
+                    out.push(Stolen {
+                        g,
+                        chunk,
+                        pieces: Cover::new(),
+                    });
+                }
+            } else {
+                self.steal_aliased_run(g0, n as u32, out);
+            }
+            i += n;
         }
         Ok(())
     }
@@ -975,10 +1012,15 @@ impl Heap {
         let Physical::Vmm { base, .. } = &self.phys else {
             return None;
         };
-        let (gs, ge) = (
+        self.cover(
             *base + g as u64 * self.gran,
             *base + (g as u64 + 1) * self.gran,
-        );
+        )
+    }
+
+    /// The free ranges covering `[gs, ge)` in address order, or `None` if
+    /// part of it is not free.
+    fn cover(&self, gs: u64, ge: u64) -> Option<Cover> {
         let mut out = Cover::new();
         let (a, r) = self.by_addr.at_or_before(gs)?;
         if a + r.len <= gs {
@@ -1000,15 +1042,14 @@ impl Heap {
             .is_some_and(|c| c.iter().all(|p| p.2 == Tag::Clean))
     }
 
-    /// How idle granule `g` can be stolen under `ctx`: `Some(true)` clean
-    /// (unmap now), `Some(false)` by aliasing (free for `ctx.slot` after
-    /// waiting), `None` not at all.
-    fn steal_kind(&self, g: u32, ctx: StealCtx) -> Option<bool> {
-        let cover = self.granule_cover(g)?;
-        if cover.iter().all(|p| p.2 == Tag::Clean) {
+    /// How an idle granule covered by free ranges of `tags` can be stolen
+    /// under `ctx`: `Some(true)` clean (unmap now), `Some(false)` by
+    /// aliasing (free for `ctx.slot` after waiting), `None` not at all.
+    fn kind_of(&self, tags: impl Iterator<Item = Tag> + Clone, ctx: StealCtx) -> Option<bool> {
+        if tags.clone().all(|t| t == Tag::Clean) {
             return Some(true);
         }
-        let ok = cover.iter().all(|p| match p.2 {
+        let ok = tags.into_iter().all(|t| match t {
             Tag::Clean => true,
             Tag::Dirty(s) => Some(s) == ctx.slot,
             Tag::Pending(id) => ctx.pending_ok && !self.blocked.contains(&id),
@@ -1018,40 +1059,74 @@ impl Heap {
         (ok && ctx.slot.is_some()).then_some(false)
     }
 
-    /// Counts up to `want` idle granules stealable under `ctx`.
+    /// Counts up to `want` idle granules stealable under `ctx`, ascending.
+    /// Idle granules mostly come in runs inside one long free range (a
+    /// freed large block): a granule wholly inside the range that covered
+    /// the previous one takes its kind without a lookup.
     fn stealable(&self, ctx: StealCtx, want: usize) -> Vec<(u32, bool)> {
-        let Physical::Vmm { idle, .. } = &self.phys else {
+        let Physical::Vmm { idle, base, .. } = &self.phys else {
             return Vec::new();
         };
-        idle.iter()
-            .filter_map(|g| self.steal_kind(g, ctx).map(|k| (g, k)))
-            .take(want)
-            .collect()
+        let mut out = Vec::with_capacity(want.min(idle.len()));
+        // The last range of the previous cover: (start, end, kind alone).
+        let mut last: Option<(u64, u64, Option<bool>)> = None;
+        for g in idle.iter() {
+            if out.len() >= want {
+                break;
+            }
+            let (gs, ge) = (
+                *base + g as u64 * self.gran,
+                *base + (g as u64 + 1) * self.gran,
+            );
+            let kind = match last {
+                Some((a, e, k)) if a <= gs && ge <= e => k,
+                _ => {
+                    let Some(cover) = self.granule_cover(g) else {
+                        continue;
+                    };
+                    let &(a, l, t) = cover.last().expect("a cover is never empty");
+                    last = Some((a, a + l, self.kind_of(std::iter::once(t), ctx)));
+                    self.kind_of(cover.iter().map(|p| p.2), ctx)
+                }
+            };
+            if let Some(k) = kind {
+                out.push((g, k));
+            }
+        }
+        out
     }
 
-    /// Takes the chunk of an idle granule for a new mapping (stitching).
-    ///
-    /// A clean granule is unmapped at once. A granule whose last uses may
-    /// still run (dirty on the requesting stream, or pending) keeps its old
-    /// mapping, so that work can finish; its address range is quarantined
-    /// until an event recorded on the requesting stream completes, then
-    /// unmapped ([`Heap::release_quarantine`]). The requesting stream's new
-    /// work is ordered after the old uses (same stream, or a wait on the
-    /// pending groups returned), so the aliased bytes are never used twice
-    /// at once.
-    fn steal(&mut self, g: u32, clean: bool) -> Option<Stolen> {
-        if clean {
-            let chunk = self.unmap_granule(g)?;
-            return Some(Stolen {
-                g,
-                chunk,
-                pieces: Vec::new(),
-                waits: Vec::new(),
-            });
+    /// Takes the chunks of idle granules `g0..g0+n` for new mappings
+    /// (stitching) while their last uses may still run (dirty on the
+    /// requesting stream, or pending): each granule keeps its old mapping,
+    /// so that work can finish; its address range is quarantined until an
+    /// event recorded on the requesting stream completes, then unmapped
+    /// ([`Heap::release_quarantine`]). The requesting stream's new work is
+    /// ordered after the old uses (same stream, or a wait on the pending
+    /// groups, queued for [`Heap::take_steal_waits`]), so the aliased bytes
+    /// are never used twice at once. The free ranges covering the run are
+    /// cut once for the whole run, not once per granule: stitching a large
+    /// block usually steals a few long runs.
+    fn steal_aliased_run(&mut self, g0: u32, n: u32, out: &mut Vec<Stolen>) {
+        let Physical::Vmm { base, .. } = &self.phys else {
+            unreachable!("VMM only")
+        };
+        let (rs, re) = (
+            *base + g0 as u64 * self.gran,
+            *base + (g0 + n) as u64 * self.gran,
+        );
+        let cover = self.cover(rs, re).expect("idle granules are free");
+        for &(a, l, tag) in &cover {
+            self.index_remove(a);
+            if let Tag::Pending(id) = tag {
+                self.fresh_waits.push(id);
+            }
+            self.insert_free(a, rs.saturating_sub(a), tag);
+            if a + l > re {
+                self.insert_free(re, a + l - re, tag);
+            }
         }
-        let cover = self.granule_cover(g).expect("checked by steal_kind");
         let Physical::Vmm {
-            base,
             granules,
             idle,
             quarantine,
@@ -1061,37 +1136,32 @@ impl Heap {
         else {
             unreachable!()
         };
-        let (gs, ge) = (
-            *base + g as u64 * self.gran,
-            *base + (g as u64 + 1) * self.gran,
-        );
-        let chunk = granules[g as usize]
-            .chunk
-            .take()
-            .expect("idle granules are mapped");
-        mapped.add(g as usize, -1);
-        idle.remove(g);
-        quarantine.insert(g);
-        self.fresh_quarantine.push(g);
-        let mut waits = Vec::new();
-        let mut pieces = Vec::new();
-        for (a, l, tag) in cover {
-            self.index_remove(a);
-            if let Tag::Pending(id) = tag {
-                waits.push(id);
+        let mut next = 0; // the first cover range that may reach this granule
+        for g in g0..g0 + n {
+            let (gs, ge) = (
+                rs + (g - g0) as u64 * self.gran,
+                rs + (g - g0 + 1) as u64 * self.gran,
+            );
+            let mut pieces = Cover::new();
+            for &(a, l, tag) in cover[next..].iter().take_while(|p| p.0 < ge) {
+                let (ps, pe) = (a.max(gs), (a + l).min(ge));
+                if ps < pe {
+                    pieces.push((ps, pe - ps, tag));
+                }
             }
-            pieces.push((a.max(gs), (a + l).min(ge) - a.max(gs), tag));
-            self.insert_free(a, gs.saturating_sub(a), tag);
-            if a + l > ge {
-                self.insert_free(ge, a + l - ge, tag);
+            while next < cover.len() && cover[next].0 + cover[next].1 <= ge {
+                next += 1;
             }
+            let chunk = granules[g as usize]
+                .chunk
+                .take()
+                .expect("idle granules are mapped");
+            mapped.add(g as usize, -1);
+            idle.remove(g);
+            quarantine.insert(g);
+            self.fresh_quarantine.push(g);
+            out.push(Stolen { g, chunk, pieces });
         }
-        Some(Stolen {
-            g,
-            chunk,
-            pieces,
-            waits,
-        })
     }
 
     /// Undoes a steal whose chunk could not be mapped.
@@ -1114,7 +1184,7 @@ impl Heap {
         granules[st.g as usize].chunk = Some(st.chunk);
         mapped.add(st.g as usize, 1);
         idle.insert(st.g);
-        quarantine.remove(&st.g);
+        quarantine.remove(st.g);
         self.fresh_quarantine.retain(|&g| g != st.g);
         for (a, l, tag) in st.pieces {
             self.insert_free(a, l, tag);
@@ -1143,23 +1213,37 @@ impl Heap {
 
     /// Unmaps quarantined granules whose old uses completed and frees their
     /// addresses (clean, with no physical memory behind them).
+    /// Adjacent granules become free as one range (one index update per
+    /// run, not per granule).
     pub(crate) fn release_quarantine(&mut self, gs: &[u32]) {
-        for &g in gs {
-            let Physical::Vmm {
-                base, quarantine, ..
-            } = &mut self.phys
-            else {
-                return;
-            };
-            let va = *base + g as u64 * self.gran;
-            quarantine.remove(&g);
+        let Physical::Vmm {
+            base, quarantine, ..
+        } = &mut self.phys
+        else {
+            return;
+        };
+        let base = *base;
+        let mut sorted = gs.to_vec();
+        sorted.sort_unstable();
+        for &g in &sorted {
+            quarantine.remove(g);
+            let va = base + g as u64 * self.gran;
             if let Err(e) = self.backend.unmap(self.dev, DevicePtr(va), self.gran) {
                 tracing::error!(
                     device = self.dev,
                     "unmap of a quarantined granule failed: {e}"
                 );
             }
-            self.insert_free(va, self.gran, Tag::Clean);
+        }
+        let mut i = 0;
+        while i < sorted.len() {
+            let mut n = 1;
+            while i + n < sorted.len() && sorted[i + n] == sorted[i] + n as u32 {
+                n += 1;
+            }
+            let va = base + sorted[i] as u64 * self.gran;
+            self.insert_free(va, n as u64 * self.gran, Tag::Clean);
+            i += n;
         }
     }
 
@@ -1468,7 +1552,7 @@ impl Heap {
             spans.extend(
                 quarantine
                     .iter()
-                    .map(|&g| (base + g as u64 * self.gran, self.gran, None)),
+                    .map(|g| (base + g as u64 * self.gran, self.gran, None)),
             );
         }
         spans.sort_unstable_by_key(|s| s.0);
@@ -1555,7 +1639,7 @@ impl Heap {
     /// must be gone.
     pub(crate) fn teardown(&mut self) {
         let q: Vec<u32> = match &self.phys {
-            Physical::Vmm { quarantine, .. } => quarantine.iter().copied().collect(),
+            Physical::Vmm { quarantine, .. } => quarantine.iter().collect(),
             Physical::Segments { .. } => Vec::new(),
         };
         self.release_quarantine(&q);

@@ -39,19 +39,18 @@ struct Reservation {
     raw_len: u64,
 }
 
-/// What backs one mapped range.
-#[derive(Debug, Clone, Copy)]
-enum Backing {
-    /// Part of a chunk mapped into a reservation.
-    Chunk { chunk: u64 },
-    /// A plain segment (`cuMemAlloc`); owns its own physical range.
-    Segment { file_offset: u64, raw_len: u64 },
-}
-
+/// Part of a chunk mapped into a reservation.
 #[derive(Debug, Clone, Copy)]
 struct Mapped {
     len: u64,
-    backing: Backing,
+    chunk: u64,
+}
+
+/// A plain segment (`cuMemAlloc`); owns its own physical range.
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    file_offset: u64,
+    raw_len: u64,
 }
 
 /// All memory state of one simulated device. Guarded by one `RwLock` in the
@@ -71,8 +70,16 @@ pub(super) struct DeviceMemory {
     chunks: FxHashMap<u64, Chunk>,
     next_chunk: u64,
     reservations: BTreeMap<u64, Reservation>,
-    /// Every mapped range (chunk mappings and segments): va -> range.
-    mapped: BTreeMap<u64, Mapped>,
+    /// Chunk mappings: va -> range. Mappings are granule aligned, so they
+    /// are found by exact lookups ([`DeviceMemory::by_granule`]): mapping
+    /// and unmapping cost O(granules), not O(log mappings) searches (a
+    /// replay stitches thousands of granules per pass).
+    mapped: FxHashMap<u64, Mapped>,
+    /// Granule number (`va / granularity`) -> start of the chunk mapping
+    /// covering it.
+    by_granule: FxHashMap<u64, u64>,
+    /// Plain segments: va -> segment.
+    segments: BTreeMap<u64, Segment>,
     /// Next fake address in accounting mode.
     next_fake_va: u64,
 }
@@ -115,7 +122,9 @@ impl DeviceMemory {
             chunks: FxHashMap::default(),
             next_chunk: 1,
             reservations: BTreeMap::new(),
-            mapped: BTreeMap::new(),
+            mapped: FxHashMap::default(),
+            by_granule: FxHashMap::default(),
+            segments: BTreeMap::new(),
             // Distinct, recognisable fake address spaces per device.
             next_fake_va: 0x1000_0000_0000 + ((device as u64) << 40),
         })
@@ -285,7 +294,8 @@ impl DeviceMemory {
                 r.len
             )));
         }
-        if self.mapped.range(base..base + bytes).next().is_some() {
+        let (g0, g1) = (base / self.granularity, (base + bytes) / self.granularity);
+        if self.by_granule.keys().any(|g| (g0..g1).contains(g)) {
             return Err(Error::InvalidArgument(format!(
                 "reservation {base:#x} still has mappings"
             )));
@@ -354,23 +364,18 @@ impl DeviceMemory {
             }
         }
         c.maps += 1;
-        self.mapped.insert(
-            va,
-            Mapped {
-                len: bytes,
-                backing: Backing::Chunk { chunk },
-            },
-        );
+        self.mapped.insert(va, Mapped { len: bytes, chunk });
+        let g = self.granularity;
+        self.by_granule
+            .extend((va / g..(va + bytes) / g).map(|n| (n, va)));
         Ok(())
     }
 
+    /// Whether a chunk mapping overlaps `[va, va+len)` (granule aligned,
+    /// inside a reservation, so no segment can).
     fn overlaps_mapping(&self, va: u64, len: u64) -> bool {
-        if let Some((&s, m)) = self.mapped.range(..=va).next_back() {
-            if s + m.len > va {
-                return true;
-            }
-        }
-        self.mapped.range(va..va + len).next().is_some()
+        let g = self.granularity;
+        (va / g..(va + len).div_ceil(g)).any(|n| self.by_granule.contains_key(&n))
     }
 
     /// Unmaps whole mappings exactly covering `[va, va+bytes)`.
@@ -379,10 +384,10 @@ impl DeviceMemory {
         let mut cursor = va;
         while cursor < va + bytes {
             match self.mapped.get(&cursor) {
-                Some(m) if matches!(m.backing, Backing::Chunk { .. }) => {
+                Some(m) => {
                     cursor += m.len;
                 }
-                _ => {
+                None => {
                     return Err(Error::InvalidArgument(format!(
                         "[{va:#x}, +{bytes}) is not a whole set of mappings (gap or split at {cursor:#x})"
                     )))
@@ -414,13 +419,15 @@ impl DeviceMemory {
         let mut start = va;
         while start < va + bytes {
             let m = self.mapped.remove(&start).expect("walked above");
+            let g = self.granularity;
+            for n in start / g..(start + m.len) / g {
+                self.by_granule.remove(&n);
+            }
             start += m.len;
-            if let Backing::Chunk { chunk } = m.backing {
-                let c = self.chunks.get_mut(&chunk).expect("mapped chunk exists");
-                c.maps -= 1;
-                if c.maps == 0 && c.released {
-                    self.drop_chunk(chunk);
-                }
+            let c = self.chunks.get_mut(&m.chunk).expect("mapped chunk exists");
+            c.maps -= 1;
+            if c.maps == 0 && c.released {
+                self.drop_chunk(m.chunk);
             }
         }
         Ok(())
@@ -439,22 +446,26 @@ impl DeviceMemory {
 
     /// Whether `[va, va+len)` is fully covered by adjacent mapped ranges.
     pub(super) fn mapped_covers(&self, va: u64, len: u64) -> bool {
-        let mut cursor = va;
         let end = va + len;
-        let Some((&s, m)) = self.mapped.range(..=va).next_back() else {
+        let Some(mut cursor) = self.mapping_end(va) else {
             return false;
         };
-        if s + m.len <= va {
-            return false;
-        }
-        cursor = cursor.max(s + m.len);
         while cursor < end {
-            match self.mapped.get(&cursor) {
-                Some(m) => cursor += m.len,
+            match self.mapping_end(cursor) {
+                Some(e) => cursor = e,
                 None => return false,
             }
         }
         true
+    }
+
+    /// The end of the mapping (chunk mapping or segment) holding `va`.
+    fn mapping_end(&self, va: u64) -> Option<u64> {
+        if let Some(&s) = self.by_granule.get(&(va / self.granularity)) {
+            return Some(s + self.mapped[&s].len);
+        }
+        let (&s, seg) = self.segments.range(..=va).next_back()?;
+        (s + seg.raw_len > va).then_some(s + seg.raw_len)
     }
 
     pub(super) fn alloc_segment(&mut self, bytes: u64) -> Result<u64> {
@@ -493,35 +504,27 @@ impl DeviceMemory {
             }
         };
         self.used += raw_len;
-        self.mapped.insert(
+        self.segments.insert(
             va,
-            Mapped {
-                len: raw_len,
-                backing: Backing::Segment {
-                    file_offset,
-                    raw_len,
-                },
+            Segment {
+                file_offset,
+                raw_len,
             },
         );
         Ok(va)
     }
 
     pub(super) fn free_segment(&mut self, va: u64) -> Result<()> {
-        let Some(Mapped {
-            backing:
-                Backing::Segment {
-                    file_offset,
-                    raw_len,
-                },
-            ..
-        }) = self.mapped.get(&va).copied()
+        let Some(Segment {
+            file_offset,
+            raw_len,
+        }) = self.segments.remove(&va)
         else {
             return Err(Error::InvalidArgument(format!(
                 "{va:#x} is not a segment on device {}",
                 self.device
             )));
         };
-        self.mapped.remove(&va);
         if self.backing == SimBacking::Memory {
             // SAFETY: exactly the mapping alloc_segment created.
             unsafe { libc::munmap(va as *mut libc::c_void, raw_len as usize) };
@@ -542,11 +545,9 @@ impl Drop for DeviceMemory {
         if self.backing != SimBacking::Memory {
             return;
         }
-        for (&va, m) in &self.mapped {
-            if let Backing::Segment { raw_len, .. } = m.backing {
-                // SAFETY: our own segment mapping; nothing uses it any more.
-                unsafe { libc::munmap(va as *mut libc::c_void, raw_len as usize) };
-            }
+        for (&va, seg) in &self.segments {
+            // SAFETY: our own segment mapping; nothing uses it any more.
+            unsafe { libc::munmap(va as *mut libc::c_void, seg.raw_len as usize) };
         }
         for r in self.reservations.values() {
             // SAFETY: our own reservation (with whatever is mapped inside it);

@@ -100,6 +100,10 @@ struct Faults {
     physical_calls: AtomicU64,
     /// Fail the physical allocation whose 1-based count equals this (0: off).
     fail_physical_at: AtomicU64,
+    /// `cuMemMap` calls attempted so far.
+    map_calls: AtomicU64,
+    /// Fail the map whose 1-based count equals this (0: off).
+    fail_map_at: AtomicU64,
     /// Capacity cap below the configured capacity (`u64::MAX`: none).
     capacity_cap: AtomicU64,
     event_delay_ns: AtomicU64,
@@ -167,6 +171,8 @@ impl SimBackend {
                     faults: Faults {
                         physical_calls: AtomicU64::new(0),
                         fail_physical_at: AtomicU64::new(0),
+                        map_calls: AtomicU64::new(0),
+                        fail_map_at: AtomicU64::new(0),
                         capacity_cap: AtomicU64::new(u64::MAX),
                         event_delay_ns: AtomicU64::new(0),
                         op_delay_ns: AtomicU64::new(cfg.op_delay.as_nanos() as u64),
@@ -302,6 +308,17 @@ impl SimBackend {
         let f = &self.dev(dev)?.faults;
         let base = f.physical_calls.load(Relaxed);
         f.fail_physical_at
+            .store(if n == 0 { 0 } else { base + n }, Relaxed);
+        Ok(())
+    }
+
+    /// Makes the `n`-th `cuMemMap` on `dev`, counted from now with 1 for
+    /// the next one, fail with [`Error::InjectedFault`] (nothing mapped).
+    /// `n = 0` turns the fault off.
+    pub fn fail_nth_map(&self, dev: usize, n: u64) -> Result<()> {
+        let f = &self.dev(dev)?.faults;
+        let base = f.map_calls.load(Relaxed);
+        f.fail_map_at
             .store(if n == 0 { 0 } else { base + n }, Relaxed);
         Ok(())
     }
@@ -608,7 +625,14 @@ impl Backend for SimBackend {
     ) -> Result<()> {
         self.counters.count(Call::Map);
         self.counters.count(Call::SetAccess);
-        self.dev(dev)?.mem.write().map(va.0, bytes, chunk.0, off)
+        let d = self.dev(dev)?;
+        let n = d.faults.map_calls.fetch_add(1, Relaxed) + 1;
+        if d.faults.fail_map_at.load(Relaxed) == n {
+            return Err(Error::InjectedFault(format!(
+                "cuMemMap #{n} on device {dev} failed"
+            )));
+        }
+        d.mem.write().map(va.0, bytes, chunk.0, off)
     }
 
     fn unmap(&self, dev: usize, va: DevicePtr, bytes: u64) -> Result<()> {
