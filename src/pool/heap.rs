@@ -22,7 +22,6 @@
 //! memory is held, whatever the layout.
 
 use super::addr_index::{AddrIndex, Span};
-use super::fenwick::Fenwick;
 use super::granule_set::GranuleSet;
 use super::size_class::ALIGN;
 use super::size_index::SizeIndex;
@@ -59,6 +58,9 @@ struct Granule {
     users: u32,
 }
 
+// One per heap, never moved on a hot path: boxing the large variant would
+// only add an indirection to every granule lookup.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum Physical {
     /// One reservation; chunks mapped per granule.
@@ -73,8 +75,9 @@ enum Physical {
         /// Granules whose chunk was stolen while old uses may still run:
         /// still mapped at the backend, excluded from every range.
         quarantine: GranuleSet,
-        /// Mapped granules (chunk present), for counting any span's in O(log n).
-        mapped: Fenwick,
+        /// Mapped granules (chunk present), for counting any span's with
+        /// popcounts.
+        mapped: GranuleSet,
     },
     /// Plain segments (`cuMemAlloc`), base -> len; ranges never cross them.
     Segments { segs: BTreeMap<u64, u64> },
@@ -206,7 +209,7 @@ impl Heap {
                 spare: Vec::new(),
                 idle: GranuleSet::new((len / gran) as usize),
                 quarantine: GranuleSet::new((len / gran) as usize),
-                mapped: Fenwick::new((len / gran) as usize),
+                mapped: GranuleSet::new((len / gran) as usize),
             };
             if gran.is_power_of_two() {
                 heap.by_addr = AddrIndex::for_reservation(base, len, gran.trailing_zeros());
@@ -608,14 +611,14 @@ impl Heap {
         let first = ((start - base) / self.gran) as usize;
         let last = ((start + len - 1 - base) / self.gran) as usize;
         // Most blocks span a granule or two: look at them directly; the
-        // Fenwick tree answers for long spans in O(log n).
+        // bitmap answers for long spans a word (64 granules) at a time.
         if last - first < 4 {
             return granules[first..=last]
                 .iter()
                 .filter(|g| g.chunk.is_none())
                 .count() as u64;
         }
-        (last - first + 1) as u64 - mapped.range(first, last) as u64
+        (last - first + 1) as u64 - mapped.count_in(first as u32, last as u32 + 1) as u64
     }
 
     // ---- allocation --------------------------------------------------------------
@@ -995,7 +998,7 @@ impl Heap {
             }
         }
         granules[g as usize].chunk = Some(chunk);
-        mapped.add(g as usize, 1);
+        mapped.insert(g);
         Ok(())
     }
 
@@ -1156,7 +1159,7 @@ impl Heap {
                 .chunk
                 .take()
                 .expect("idle granules are mapped");
-            mapped.add(g as usize, -1);
+            mapped.remove(g);
             idle.remove(g);
             quarantine.insert(g);
             self.fresh_quarantine.push(g);
@@ -1182,7 +1185,7 @@ impl Heap {
             return;
         };
         granules[st.g as usize].chunk = Some(st.chunk);
-        mapped.add(st.g as usize, 1);
+        mapped.insert(st.g);
         idle.insert(st.g);
         quarantine.remove(st.g);
         self.fresh_quarantine.retain(|&g| g != st.g);
@@ -1287,7 +1290,7 @@ impl Heap {
             return None;
         }
         granules[g as usize].chunk = None;
-        mapped.add(g as usize, -1);
+        mapped.remove(g);
         idle.remove(g);
         Some(chunk)
     }

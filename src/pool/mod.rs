@@ -23,7 +23,6 @@ mod addr_index;
 mod block;
 mod compact_hooks;
 mod exact;
-mod fenwick;
 mod granule_set;
 mod heap;
 mod inspect;
@@ -578,11 +577,12 @@ impl PoolShared {
             if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
                 return keep(&mut h, t.addr);
             }
-            Self::unpark(&mut h);
             // Merged with their neighbours, parked ranges often fit where
             // none did: take that before any handover or growth.
-            if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
-                return keep(&mut h, t.addr);
+            if Self::unpark(&mut h) {
+                if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
+                    return keep(&mut h, t.addr);
+                }
             }
             // (The list also reads empty while another thread harvests it:
             // pending memory may be in the heap all the same.)
@@ -670,16 +670,18 @@ impl PoolShared {
         }
     }
 
-    /// Gives every parked large range to the heap (see `exact.rs`).
-    fn unpark(h: &mut HeapState) {
+    /// Gives every parked large range to the heap (see `exact.rs`);
+    /// whether there was any.
+    fn unpark(h: &mut HeapState) -> bool {
         if h.exact.is_empty() {
-            return;
+            return false;
         }
         let HeapState { exact, heap, .. } = h;
         exact.drain_each(|slot, _, addr| {
             heap.free(addr, Tag::Dirty(slot))
                 .expect("parked ranges are allocated");
         });
+        true
     }
 
     /// One heap allocation for `stream`, with its side effects handled:

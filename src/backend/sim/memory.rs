@@ -42,6 +42,7 @@ struct Reservation {
 /// Part of a chunk mapped into a reservation.
 #[derive(Debug, Clone, Copy)]
 struct Mapped {
+    start: u64,
     len: u64,
     chunk: u64,
 }
@@ -70,14 +71,12 @@ pub(super) struct DeviceMemory {
     chunks: FxHashMap<u64, Chunk>,
     next_chunk: u64,
     reservations: BTreeMap<u64, Reservation>,
-    /// Chunk mappings: va -> range. Mappings are granule aligned, so they
-    /// are found by exact lookups ([`DeviceMemory::by_granule`]): mapping
-    /// and unmapping cost O(granules), not O(log mappings) searches (a
-    /// replay stitches thousands of granules per pass).
-    mapped: FxHashMap<u64, Mapped>,
-    /// Granule number (`va / granularity`) -> start of the chunk mapping
-    /// covering it.
-    by_granule: FxHashMap<u64, u64>,
+    /// Chunk mappings by granule number (`va / granularity`): every granule
+    /// of a mapping holds a copy of it. Mappings are granule aligned, so
+    /// mapping, unmapping and address checks are exact lookups, O(granules)
+    /// rather than O(log mappings) searches (a replay stitches thousands of
+    /// granules per pass).
+    by_granule: FxHashMap<u64, Mapped>,
     /// Plain segments: va -> segment.
     segments: BTreeMap<u64, Segment>,
     /// Next fake address in accounting mode.
@@ -122,7 +121,6 @@ impl DeviceMemory {
             chunks: FxHashMap::default(),
             next_chunk: 1,
             reservations: BTreeMap::new(),
-            mapped: FxHashMap::default(),
             by_granule: FxHashMap::default(),
             segments: BTreeMap::new(),
             // Distinct, recognisable fake address spaces per device.
@@ -364,10 +362,14 @@ impl DeviceMemory {
             }
         }
         c.maps += 1;
-        self.mapped.insert(va, Mapped { len: bytes, chunk });
+        let m = Mapped {
+            start: va,
+            len: bytes,
+            chunk,
+        };
         let g = self.granularity;
         self.by_granule
-            .extend((va / g..(va + bytes) / g).map(|n| (n, va)));
+            .extend((va / g..(va + bytes) / g).map(|n| (n, m)));
         Ok(())
     }
 
@@ -383,11 +385,11 @@ impl DeviceMemory {
         // Checked first, removed after: a bad call changes nothing.
         let mut cursor = va;
         while cursor < va + bytes {
-            match self.mapped.get(&cursor) {
-                Some(m) => {
+            match self.by_granule.get(&(cursor / self.granularity)) {
+                Some(m) if m.start == cursor => {
                     cursor += m.len;
                 }
-                None => {
+                _ => {
                     return Err(Error::InvalidArgument(format!(
                         "[{va:#x}, +{bytes}) is not a whole set of mappings (gap or split at {cursor:#x})"
                     )))
@@ -418,8 +420,8 @@ impl DeviceMemory {
         }
         let mut start = va;
         while start < va + bytes {
-            let m = self.mapped.remove(&start).expect("walked above");
             let g = self.granularity;
+            let m = self.by_granule[&(start / g)];
             for n in start / g..(start + m.len) / g {
                 self.by_granule.remove(&n);
             }
@@ -461,8 +463,8 @@ impl DeviceMemory {
 
     /// The end of the mapping (chunk mapping or segment) holding `va`.
     fn mapping_end(&self, va: u64) -> Option<u64> {
-        if let Some(&s) = self.by_granule.get(&(va / self.granularity)) {
-            return Some(s + self.mapped[&s].len);
+        if let Some(m) = self.by_granule.get(&(va / self.granularity)) {
+            return Some(m.start + m.len);
         }
         let (&s, seg) = self.segments.range(..=va).next_back()?;
         (s + seg.raw_len > va).then_some(s + seg.raw_len)

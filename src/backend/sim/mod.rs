@@ -100,9 +100,10 @@ struct Faults {
     physical_calls: AtomicU64,
     /// Fail the physical allocation whose 1-based count equals this (0: off).
     fail_physical_at: AtomicU64,
-    /// `cuMemMap` calls attempted so far.
+    /// `cuMemMap` calls attempted since `fail_map_at` was set.
     map_calls: AtomicU64,
-    /// Fail the map whose 1-based count equals this (0: off).
+    /// Fail the map whose 1-based count equals this (0: off, and maps
+    /// are not counted: the hot path pays one load).
     fail_map_at: AtomicU64,
     /// Capacity cap below the configured capacity (`u64::MAX`: none).
     capacity_cap: AtomicU64,
@@ -317,9 +318,9 @@ impl SimBackend {
     /// `n = 0` turns the fault off.
     pub fn fail_nth_map(&self, dev: usize, n: u64) -> Result<()> {
         let f = &self.dev(dev)?.faults;
-        let base = f.map_calls.load(Relaxed);
-        f.fail_map_at
-            .store(if n == 0 { 0 } else { base + n }, Relaxed);
+        f.fail_map_at.store(0, Relaxed);
+        f.map_calls.store(0, Relaxed);
+        f.fail_map_at.store(n, Relaxed);
         Ok(())
     }
 
@@ -626,10 +627,10 @@ impl Backend for SimBackend {
         self.counters.count(Call::Map);
         self.counters.count(Call::SetAccess);
         let d = self.dev(dev)?;
-        let n = d.faults.map_calls.fetch_add(1, Relaxed) + 1;
-        if d.faults.fail_map_at.load(Relaxed) == n {
+        let at = d.faults.fail_map_at.load(Relaxed);
+        if at != 0 && d.faults.map_calls.fetch_add(1, Relaxed) + 1 == at {
             return Err(Error::InjectedFault(format!(
-                "cuMemMap #{n} on device {dev} failed"
+                "cuMemMap #{at} on device {dev} failed"
             )));
         }
         d.mem.write().map(va.0, bytes, chunk.0, off)
