@@ -376,8 +376,8 @@ fn a_map_failing_part_way_through_a_stitch_changes_nothing() {
         b.take();
     }
     let before = dev.stats();
-    // Granules mapped before a failure stay mapped (idle), so each later
-    // attempt needs fewer maps: 16, 16, 13, 9.
+    // The fresh 32 MiB range is one run of 16 granules, mapped all or
+    // nothing: every attempt makes up to 16 maps.
     for n in [1, 4, 5, 3] {
         sim.fail_nth_map(0, n).unwrap();
         match dev.alloc((32 * MIB) as usize, &s) {

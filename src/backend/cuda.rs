@@ -573,6 +573,39 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn map_run(&self, dev: usize, va: DevicePtr, gran: u64, chunks: &[ChunkHandle]) -> Result<()> {
+        let d = self.enter(dev)?;
+        Self::require_vmm(dev, d)?;
+        let undo = |n: usize| {
+            for j in 0..n {
+                self.counters.count(Call::Unmap);
+                // SAFETY: granule j of the run was mapped by this call.
+                let _ = unsafe { sys::cuMemUnmap(va.0 + j as u64 * gran, gran as usize) };
+            }
+        };
+        for (i, c) in chunks.iter().enumerate() {
+            self.counters.count(Call::Map);
+            // SAFETY: maps device memory into device address space; the
+            // driver validates the range, handle and offset.
+            let r = unsafe { sys::cuMemMap(va.0 + i as u64 * gran, gran as usize, 0, c.0, 0) };
+            if let Err(e) = check("cuMemMap", r) {
+                undo(i);
+                return Err(e);
+            }
+        }
+        let desc = rw_access(d.cu);
+        self.counters.count(Call::SetAccess);
+        let bytes = chunks.len() * gran as usize;
+        // SAFETY: `desc` is one initialised descriptor, and count 1 is
+        // passed; the range is fully mapped just above.
+        let r = unsafe { sys::cuMemSetAccess(va.0, bytes, &desc, 1) };
+        if let Err(e) = check("cuMemSetAccess", r) {
+            undo(chunks.len());
+            return Err(e);
+        }
+        Ok(())
+    }
+
     fn unmap(&self, dev: usize, va: DevicePtr, bytes: u64) -> Result<()> {
         self.enter(dev)?;
         self.counters.count(Call::Unmap);

@@ -107,6 +107,39 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         chunk_offset: u64,
     ) -> Result<()>;
 
+    /// Maps `chunks[i]` (each `gran` bytes, from its start) at
+    /// `va + i * gran` and makes the whole run readable and writable by
+    /// `dev`: one `cuMemMap` per chunk, then one `cuMemSetAccess` over the
+    /// run (access is set per address range, so one call covers every
+    /// mapping in it; stitching a 256 MiB block maps 128 chunks). All or
+    /// nothing: on an error no part of the run stays mapped.
+    ///
+    /// The default maps chunk by chunk with [`Backend::map`].
+    fn map_run(&self, dev: usize, va: DevicePtr, gran: u64, chunks: &[ChunkHandle]) -> Result<()> {
+        for (i, &c) in chunks.iter().enumerate() {
+            if let Err(e) = self.map(dev, va.offset(i as u64 * gran), gran, c, 0) {
+                for j in 0..i {
+                    let _ = self.unmap(dev, va.offset(j as u64 * gran), gran);
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Unmaps `n` adjacent mappings of `gran` bytes each, starting at `va`
+    /// (one `cuMemUnmap` per mapping). Every mapping is tried; the first
+    /// error is returned.
+    fn unmap_run(&self, dev: usize, va: DevicePtr, gran: u64, n: u64) -> Result<()> {
+        let mut first = Ok(());
+        for i in 0..n {
+            if let Err(e) = self.unmap(dev, va.offset(i * gran), gran) {
+                first = first.and(Err(e));
+            }
+        }
+        first
+    }
+
     /// Unmaps `bytes` at `va` (`cuMemUnmap`).
     fn unmap(&self, dev: usize, va: DevicePtr, bytes: u64) -> Result<()>;
 

@@ -400,6 +400,11 @@ impl Heap {
                     best = Some(c);
                 }
             }
+            // Ranges come shortest first: nothing later beats a fully
+            // backed place.
+            if best.is_some_and(|b| b.0 == 0) {
+                break;
+            }
         }
         best.map(|b| (b.1, b.2, b.3))
     }
@@ -886,31 +891,49 @@ impl Heap {
             self.drop_users(first, last);
             return Err(e);
         }
-        for (i, &g) in need.iter().enumerate() {
-            let (chunk, st) = match self.take_spare() {
-                Some(c) => (c, None),
-                None => {
-                    let st = stolen.pop().expect("counted as stealable above");
-                    (st.chunk, Some(st))
+        // Consecutive granules are mapped as one run: one access grant each.
+        let mut i = 0;
+        while i < need.len() {
+            let mut n = 1;
+            while i + n < need.len() && need[i + n] == need[i] + n as u32 {
+                n += 1;
+            }
+            let mut chunks = Vec::with_capacity(n);
+            let mut from = Vec::with_capacity(n);
+            for _ in 0..n {
+                match self.take_spare() {
+                    Some(c) => {
+                        chunks.push(c);
+                        from.push(None);
+                    }
+                    None => {
+                        let st = stolen.pop().expect("counted as stealable above");
+                        chunks.push(st.chunk);
+                        from.push(Some(st));
+                    }
                 }
-            };
-            if let Err(e) = self.map_chunk_at(g, chunk) {
-                match st {
-                    Some(st) => self.unsteal(st),
-                    None => self.push_spare(chunk),
+            }
+            if let Err(e) = self.map_run_at(need[i], &chunks) {
+                for (c, st) in chunks.into_iter().zip(from) {
+                    match st {
+                        Some(st) => self.unsteal(st),
+                        None => self.push_spare(c),
+                    }
                 }
                 for st in stolen {
                     self.unsteal(st);
                 }
-                debug_assert!(i < need.len());
-                // Granules this call already backed stay mapped: they become
+                // Runs this call already backed stay mapped: they become
                 // idle below and are reused like any other.
                 self.drop_users(first, last);
                 return Err(e);
             }
-            if st.is_some_and(|st| !st.pieces.is_empty()) {
-                aliased.push(g);
+            for (k, st) in from.iter().enumerate() {
+                if st.as_ref().is_some_and(|st| !st.pieces.is_empty()) {
+                    aliased.push(need[i] + k as u32);
+                }
             }
+            i += n;
         }
         Ok(())
     }
@@ -974,7 +997,8 @@ impl Heap {
         }
     }
 
-    fn map_chunk_at(&mut self, g: u32, chunk: ChunkHandle) -> Result<()> {
+    /// Maps `chunks` under granules `g0..`, all or nothing.
+    fn map_run_at(&mut self, g0: u32, chunks: &[ChunkHandle]) -> Result<()> {
         let Physical::Vmm {
             base,
             granules,
@@ -984,21 +1008,24 @@ impl Heap {
         else {
             unreachable!("VMM only")
         };
-        let va = *base + g as u64 * self.gran;
-        self.backend
-            .map(self.dev, DevicePtr(va), self.gran, chunk, 0)?;
+        let va = DevicePtr(*base + g0 as u64 * self.gran);
+        self.backend.map_run(self.dev, va, self.gran, chunks)?;
         // Access is per mapping: peers get it on every new one.
         if !self.peers.is_empty() {
-            if let Err(e) = self
-                .backend
-                .set_access(self.dev, DevicePtr(va), self.gran, &self.peers)
-            {
-                let _ = self.backend.unmap(self.dev, DevicePtr(va), self.gran);
+            let bytes = chunks.len() as u64 * self.gran;
+            if let Err(e) = self.backend.set_access(self.dev, va, bytes, &self.peers) {
+                for k in 0..chunks.len() as u64 {
+                    let _ = self
+                        .backend
+                        .unmap(self.dev, va.offset(k * self.gran), self.gran);
+                }
                 return Err(e);
             }
         }
-        granules[g as usize].chunk = Some(chunk);
-        mapped.insert(g);
+        for (k, &c) in chunks.iter().enumerate() {
+            granules[g0 as usize + k].chunk = Some(c);
+            mapped.insert(g0 + k as u32);
+        }
         Ok(())
     }
 
@@ -1230,13 +1257,6 @@ impl Heap {
         sorted.sort_unstable();
         for &g in &sorted {
             quarantine.remove(g);
-            let va = base + g as u64 * self.gran;
-            if let Err(e) = self.backend.unmap(self.dev, DevicePtr(va), self.gran) {
-                tracing::error!(
-                    device = self.dev,
-                    "unmap of a quarantined granule failed: {e}"
-                );
-            }
         }
         let mut i = 0;
         while i < sorted.len() {
@@ -1245,6 +1265,15 @@ impl Heap {
                 n += 1;
             }
             let va = base + sorted[i] as u64 * self.gran;
+            if let Err(e) = self
+                .backend
+                .unmap_run(self.dev, DevicePtr(va), self.gran, n as u64)
+            {
+                tracing::error!(
+                    device = self.dev,
+                    "unmap of quarantined granules failed: {e}"
+                );
+            }
             self.insert_free(va, n as u64 * self.gran, Tag::Clean);
             i += n;
         }

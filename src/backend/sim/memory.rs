@@ -326,6 +326,12 @@ impl DeviceMemory {
                 self.device
             )));
         }
+        self.map_checked(va, bytes, chunk, chunk_offset)
+    }
+
+    /// [`DeviceMemory::map`] once the range is known to be aligned and
+    /// inside one reservation.
+    fn map_checked(&mut self, va: u64, bytes: u64, chunk: u64, chunk_offset: u64) -> Result<()> {
         if self.overlaps_mapping(va, bytes) {
             return Err(Error::InvalidArgument(format!(
                 "[{va:#x}, +{bytes}) is already mapped"
@@ -370,6 +376,36 @@ impl DeviceMemory {
         let g = self.granularity;
         self.by_granule
             .extend((va / g..(va + bytes) / g).map(|n| (n, m)));
+        Ok(())
+    }
+
+    /// Maps whole chunks of `gran` bytes at `va`, `va + gran`, ... The
+    /// range is checked once (alignment, one reservation); each chunk is
+    /// then mapped as by [`DeviceMemory::map`]. All or nothing: on an error
+    /// the chunks already mapped are unmapped again.
+    pub(super) fn map_run(&mut self, va: u64, gran: u64, chunks: &[u64]) -> Result<()> {
+        let bytes = gran * chunks.len() as u64;
+        self.check_granule("mapping size", gran)?;
+        if va % self.granularity != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "mapping at {va:#x} is not granule aligned"
+            )));
+        }
+        if self.reservation_of(va, bytes).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "[{va:#x}, +{bytes}) is not inside one reservation on device {}",
+                self.device
+            )));
+        }
+        for (i, &c) in chunks.iter().enumerate() {
+            let at = va + i as u64 * gran;
+            if let Err(e) = self.map_checked(at, gran, c, 0) {
+                for j in 0..i as u64 {
+                    self.unmap(va + j * gran, gran).expect("mapped just above");
+                }
+                return Err(e);
+            }
+        }
         Ok(())
     }
 

@@ -636,6 +636,48 @@ impl Backend for SimBackend {
         d.mem.write().map(va.0, bytes, chunk.0, off)
     }
 
+    fn map_run(&self, dev: usize, va: DevicePtr, gran: u64, chunks: &[ChunkHandle]) -> Result<()> {
+        let d = self.dev(dev)?;
+        let n = chunks.len() as u64;
+        let at = d.faults.fail_map_at.load(Relaxed);
+        if at != 0 {
+            // An armed fault fails the map it lands on; the CUDA backend
+            // would have mapped (and then unmapped) the chunks before it.
+            let before = d.faults.map_calls.fetch_add(n, Relaxed);
+            if (before + 1..=before + n).contains(&at) {
+                let k = at - before - 1;
+                d.faults.map_calls.store(at, Relaxed);
+                for _ in 0..=k {
+                    self.counters.count(Call::Map);
+                }
+                for _ in 0..k {
+                    self.counters.count(Call::Unmap);
+                }
+                return Err(Error::InjectedFault(format!(
+                    "cuMemMap #{at} on device {dev} failed"
+                )));
+            }
+        }
+        for _ in 0..n {
+            self.counters.count(Call::Map);
+        }
+        let raw: smallvec::SmallVec<[u64; 128]> = chunks.iter().map(|c| c.0).collect();
+        d.mem.write().map_run(va.0, gran, &raw)?;
+        // One access grant for the run, as the CUDA backend makes.
+        self.counters.count(Call::SetAccess);
+        Ok(())
+    }
+
+    fn unmap_run(&self, dev: usize, va: DevicePtr, gran: u64, n: u64) -> Result<()> {
+        let d = self.dev(dev)?;
+        for _ in 0..n {
+            self.counters.count(Call::Unmap);
+        }
+        // The memory table checks the whole run first (a set of whole
+        // mappings) and then removes it, as the per-mapping calls would.
+        d.mem.write().unmap(va.0, n * gran)
+    }
+
     fn unmap(&self, dev: usize, va: DevicePtr, bytes: u64) -> Result<()> {
         self.counters.count(Call::Unmap);
         self.dev(dev)?.mem.write().unmap(va.0, bytes)
