@@ -170,8 +170,17 @@ struct StealCtx {
 struct Stolen {
     g: u32,
     chunk: ChunkHandle,
-    /// Free pieces carved out of the granule (empty for a clean steal).
-    pieces: Cover,
+    /// For a steal by aliasing, the index of its run's cover in the
+    /// [`Steals`] (the free ranges the granule's pieces were cut from);
+    /// `None` for a clean steal.
+    run: Option<u32>,
+}
+
+/// The chunks one request steals, and the covers of its aliased runs.
+#[derive(Debug, Default)]
+struct Steals {
+    stolen: Vec<Stolen>,
+    covers: Vec<Cover>,
 }
 
 impl Heap {
@@ -883,10 +892,13 @@ impl Heap {
         // Spare chunks and device allocations now cover all but the victims'
         // share; steal that share in runs of adjacent granules.
         victims.truncate(need.len().saturating_sub(self.spare_len()));
-        let mut stolen = Vec::with_capacity(victims.len());
-        if let Err(e) = self.steal_all(&victims, &mut stolen) {
-            for st in stolen {
-                self.unsteal(st);
+        let mut steals = Steals {
+            stolen: Vec::with_capacity(victims.len()),
+            covers: Vec::new(),
+        };
+        if let Err(e) = self.steal_all(&victims, &mut steals) {
+            for st in std::mem::take(&mut steals.stolen) {
+                self.unsteal(st, &steals.covers);
             }
             self.drop_users(first, last);
             return Err(e);
@@ -907,7 +919,7 @@ impl Heap {
                         from.push(None);
                     }
                     None => {
-                        let st = stolen.pop().expect("counted as stealable above");
+                        let st = steals.stolen.pop().expect("counted as stealable above");
                         chunks.push(st.chunk);
                         from.push(Some(st));
                     }
@@ -916,12 +928,12 @@ impl Heap {
             if let Err(e) = self.map_run_at(need[i], &chunks) {
                 for (c, st) in chunks.into_iter().zip(from) {
                     match st {
-                        Some(st) => self.unsteal(st),
+                        Some(st) => self.unsteal(st, &steals.covers),
                         None => self.push_spare(c),
                     }
                 }
-                for st in stolen {
-                    self.unsteal(st);
+                for st in std::mem::take(&mut steals.stolen) {
+                    self.unsteal(st, &steals.covers);
                 }
                 // Runs this call already backed stay mapped: they become
                 // idle below and are reused like any other.
@@ -929,7 +941,7 @@ impl Heap {
                 return Err(e);
             }
             for (k, st) in from.iter().enumerate() {
-                if st.as_ref().is_some_and(|st| !st.pieces.is_empty()) {
+                if st.as_ref().is_some_and(|st| st.run.is_some()) {
                     aliased.push(need[i] + k as u32);
                 }
             }
@@ -941,7 +953,7 @@ impl Heap {
     /// Steals the chunks of `victims` (idle granules in ascending order,
     /// each with its steal kind), adjacent granules of one kind together.
     /// Stops at the first clean granule that cannot be unmapped.
-    fn steal_all(&mut self, victims: &[(u32, bool)], out: &mut Vec<Stolen>) -> Result<()> {
+    fn steal_all(&mut self, victims: &[(u32, bool)], out: &mut Steals) -> Result<()> {
         let mut i = 0;
         while i < victims.len() {
             let (g0, clean) = victims[i];
@@ -957,10 +969,10 @@ impl Heap {
                             "could not unmap an idle granule to stitch it",
                         ));
                     };
-                    out.push(Stolen {
+                    out.stolen.push(Stolen {
                         g,
                         chunk,
-                        pieces: Cover::new(),
+                        run: None,
                     });
                 }
             } else {
@@ -1137,7 +1149,7 @@ impl Heap {
     /// are never used twice at once. The free ranges covering the run are
     /// cut once for the whole run, not once per granule: stitching a large
     /// block usually steals a few long runs.
-    fn steal_aliased_run(&mut self, g0: u32, n: u32, out: &mut Vec<Stolen>) {
+    fn steal_aliased_run(&mut self, g0: u32, n: u32, out: &mut Steals) {
         let Physical::Vmm { base, .. } = &self.phys else {
             unreachable!("VMM only")
         };
@@ -1166,22 +1178,9 @@ impl Heap {
         else {
             unreachable!()
         };
-        let mut next = 0; // the first cover range that may reach this granule
+        let run = Some(out.covers.len() as u32);
+        out.covers.push(cover);
         for g in g0..g0 + n {
-            let (gs, ge) = (
-                rs + (g - g0) as u64 * self.gran,
-                rs + (g - g0 + 1) as u64 * self.gran,
-            );
-            let mut pieces = Cover::new();
-            for &(a, l, tag) in cover[next..].iter().take_while(|p| p.0 < ge) {
-                let (ps, pe) = (a.max(gs), (a + l).min(ge));
-                if ps < pe {
-                    pieces.push((ps, pe - ps, tag));
-                }
-            }
-            while next < cover.len() && cover[next].0 + cover[next].1 <= ge {
-                next += 1;
-            }
             let chunk = granules[g as usize]
                 .chunk
                 .take()
@@ -1190,18 +1189,19 @@ impl Heap {
             idle.remove(g);
             quarantine.insert(g);
             self.fresh_quarantine.push(g);
-            out.push(Stolen { g, chunk, pieces });
+            out.stolen.push(Stolen { g, chunk, run });
         }
     }
 
     /// Undoes a steal whose chunk could not be mapped.
-    fn unsteal(&mut self, st: Stolen) {
-        if st.pieces.is_empty() {
+    fn unsteal(&mut self, st: Stolen, covers: &[Cover]) {
+        let Some(run) = st.run else {
             // A clean steal: the old mapping is gone; keep the chunk spare.
             self.push_spare(st.chunk);
             return;
-        }
+        };
         let Physical::Vmm {
+            base,
             granules,
             idle,
             quarantine,
@@ -1216,8 +1216,14 @@ impl Heap {
         idle.insert(st.g);
         quarantine.remove(st.g);
         self.fresh_quarantine.retain(|&g| g != st.g);
-        for (a, l, tag) in st.pieces {
-            self.insert_free(a, l, tag);
+        // The granule's free pieces: its run's cover, clipped to it.
+        let gs = *base + st.g as u64 * self.gran;
+        let ge = gs + self.gran;
+        for &(a, l, tag) in &covers[run as usize] {
+            let (ps, pe) = (a.max(gs), (a + l).min(ge));
+            if ps < pe {
+                self.insert_free(ps, pe - ps, tag);
+            }
         }
     }
 
