@@ -50,6 +50,41 @@ impl GranuleSet {
         present
     }
 
+    /// Adds every index in `[lo, hi)` (a word at a time).
+    pub(crate) fn insert_range(&mut self, lo: u32, hi: u32) {
+        self.update_range(lo, hi, true);
+    }
+
+    /// Removes every index in `[lo, hi)` (a word at a time).
+    pub(crate) fn remove_range(&mut self, lo: u32, hi: u32) {
+        self.update_range(lo, hi, false);
+    }
+
+    fn update_range(&mut self, lo: u32, hi: u32, set: bool) {
+        let (lo, hi) = (lo as usize, hi as usize);
+        let mut g = lo;
+        while g < hi {
+            let w = g / 64;
+            let end = ((w + 1) * 64).min(hi);
+            let width = end - g;
+            let mask = (!0u64).checked_shr(64 - width as u32).unwrap_or(0) << (g % 64);
+            let before = self.words[w].count_ones() as usize;
+            if set {
+                self.words[w] |= mask;
+            } else {
+                self.words[w] &= !mask;
+            }
+            let after = self.words[w].count_ones() as usize;
+            self.len = self.len + after - before;
+            if self.words[w] == 0 {
+                self.summary[w / 64] &= !(1 << (w % 64));
+            } else {
+                self.summary[w / 64] |= 1 << (w % 64);
+            }
+            g = end;
+        }
+    }
+
     /// Whether `g` is in the set.
     #[inline]
     pub(crate) fn contains(&self, g: u32) -> bool {
@@ -237,6 +272,28 @@ mod tests {
             );
         }
         assert_eq!(s.count_in(0, u32::MAX) as usize, model.len());
+        for (lo, hi, add) in [
+            (10, 700, true),
+            (63, 65, false),
+            (0, 20_000, false),
+            (130, 131, true),
+        ] {
+            if add {
+                s.insert_range(lo, hi);
+                model.extend(lo..hi);
+            } else {
+                s.remove_range(lo, hi);
+                for g in lo..hi {
+                    model.remove(&g);
+                }
+            }
+            assert_eq!(s.len(), model.len());
+            assert_eq!(
+                s.iter().collect::<Vec<_>>(),
+                model.iter().copied().collect::<Vec<_>>()
+            );
+            assert_eq!(s.count_in(0, u32::MAX) as usize, model.len());
+        }
         assert_eq!(s.count_in(5, 5), 0);
     }
 

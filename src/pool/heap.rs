@@ -1036,8 +1036,8 @@ impl Heap {
         }
         for (k, &c) in chunks.iter().enumerate() {
             granules[g0 as usize + k].chunk = Some(c);
-            mapped.insert(g0 + k as u32);
         }
+        mapped.insert_range(g0, g0 + chunks.len() as u32);
         Ok(())
     }
 
@@ -1180,15 +1180,15 @@ impl Heap {
         };
         let run = Some(out.covers.len() as u32);
         out.covers.push(cover);
+        mapped.remove_range(g0, g0 + n);
+        idle.remove_range(g0, g0 + n);
+        quarantine.insert_range(g0, g0 + n);
+        self.fresh_quarantine.extend(g0..g0 + n);
         for g in g0..g0 + n {
             let chunk = granules[g as usize]
                 .chunk
                 .take()
                 .expect("idle granules are mapped");
-            mapped.remove(g);
-            idle.remove(g);
-            quarantine.insert(g);
-            self.fresh_quarantine.push(g);
             out.stolen.push(Stolen { g, chunk, run });
         }
     }
@@ -1252,23 +1252,20 @@ impl Heap {
     /// Adjacent granules become free as one range (one index update per
     /// run, not per granule).
     pub(crate) fn release_quarantine(&mut self, gs: &[u32]) {
-        let Physical::Vmm {
-            base, quarantine, ..
-        } = &mut self.phys
-        else {
+        let Physical::Vmm { base, .. } = &self.phys else {
             return;
         };
         let base = *base;
         let mut sorted = gs.to_vec();
         sorted.sort_unstable();
-        for &g in &sorted {
-            quarantine.remove(g);
-        }
         let mut i = 0;
         while i < sorted.len() {
             let mut n = 1;
             while i + n < sorted.len() && sorted[i + n] == sorted[i] + n as u32 {
                 n += 1;
+            }
+            if let Physical::Vmm { quarantine, .. } = &mut self.phys {
+                quarantine.remove_range(sorted[i], sorted[i] + n as u32);
             }
             let va = base + sorted[i] as u64 * self.gran;
             if let Err(e) = self
