@@ -314,7 +314,15 @@ impl DeviceMemory {
     }
 
     pub(super) fn map(&mut self, va: u64, bytes: u64, chunk: u64, chunk_offset: u64) -> Result<()> {
-        self.check_granule("mapping size", bytes)?;
+        self.check_map_range(va, bytes, bytes, chunk_offset)?;
+        self.map_checked(va, bytes, chunk, chunk_offset)
+    }
+
+    /// Checks a mapping of `bytes` at `va` made of pieces of `piece` bytes
+    /// from chunk offset `chunk_offset`: granule sizes and alignment, and
+    /// one reservation holding it all.
+    fn check_map_range(&self, va: u64, bytes: u64, piece: u64, chunk_offset: u64) -> Result<()> {
+        self.check_granule("mapping size", piece)?;
         if va % self.granularity != 0 || chunk_offset % self.granularity != 0 {
             return Err(Error::InvalidArgument(format!(
                 "mapping at {va:#x} (chunk offset {chunk_offset}) is not granule aligned"
@@ -326,7 +334,7 @@ impl DeviceMemory {
                 self.device
             )));
         }
-        self.map_checked(va, bytes, chunk, chunk_offset)
+        Ok(())
     }
 
     /// [`DeviceMemory::map`] once the range is known to be aligned and
@@ -384,19 +392,7 @@ impl DeviceMemory {
     /// then mapped as by [`DeviceMemory::map`]. All or nothing: on an error
     /// the chunks already mapped are unmapped again.
     pub(super) fn map_run(&mut self, va: u64, gran: u64, chunks: &[u64]) -> Result<()> {
-        let bytes = gran * chunks.len() as u64;
-        self.check_granule("mapping size", gran)?;
-        if va % self.granularity != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "mapping at {va:#x} is not granule aligned"
-            )));
-        }
-        if self.reservation_of(va, bytes).is_none() {
-            return Err(Error::InvalidArgument(format!(
-                "[{va:#x}, +{bytes}) is not inside one reservation on device {}",
-                self.device
-            )));
-        }
+        self.check_map_range(va, gran * chunks.len() as u64, gran, 0)?;
         for (i, &c) in chunks.iter().enumerate() {
             let at = va + i as u64 * gran;
             if let Err(e) = self.map_checked(at, gran, c, 0) {
