@@ -576,12 +576,9 @@ impl Backend for CudaBackend {
     fn map_run(&self, dev: usize, va: DevicePtr, gran: u64, chunks: &[ChunkHandle]) -> Result<()> {
         let d = self.enter(dev)?;
         Self::require_vmm(dev, d)?;
+        // The first `n` chunks of the run were mapped by this call.
         let undo = |n: usize| {
-            for j in 0..n {
-                self.counters.count(Call::Unmap);
-                // SAFETY: granule j of the run was mapped by this call.
-                let _ = unsafe { sys::cuMemUnmap(va.0 + j as u64 * gran, gran as usize) };
-            }
+            let _ = self.unmap_run(dev, va, gran, n as u64);
         };
         for (i, c) in chunks.iter().enumerate() {
             self.counters.count(Call::Map);

@@ -118,9 +118,7 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     fn map_run(&self, dev: usize, va: DevicePtr, gran: u64, chunks: &[ChunkHandle]) -> Result<()> {
         for (i, &c) in chunks.iter().enumerate() {
             if let Err(e) = self.map(dev, va.offset(i as u64 * gran), gran, c, 0) {
-                for j in 0..i {
-                    let _ = self.unmap(dev, va.offset(j as u64 * gran), gran);
-                }
+                let _ = self.unmap_run(dev, va, gran, i as u64);
                 return Err(e);
             }
         }

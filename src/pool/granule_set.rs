@@ -245,15 +245,19 @@ mod tests {
         assert_eq!(big.last_at_or_before(2), None);
     }
 
+    /// One step of a 64-bit LCG: reproducible pseudo-random members.
+    fn step(x: u64) -> u64 {
+        x.wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407)
+    }
+
     #[test]
     fn counts_match_an_ordered_set() {
         let mut s = GranuleSet::new(20_000);
         let mut model = BTreeSet::new();
         let mut x = 777u64;
         for _ in 0..4_000 {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
+            x = step(x);
             // Clustered members, so some words are full and some spans empty.
             let g = (((x >> 33) % 40) * 500 + (x >> 20) % 70) as u32;
             if x % 4 == 0 {
@@ -303,9 +307,7 @@ mod tests {
         let mut model = BTreeSet::new();
         let mut x = 12345u64;
         for _ in 0..3_000 {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
+            x = step(x);
             let g = ((x >> 33) % 9_000) as u32;
             if x % 3 == 0 {
                 s.remove(g);

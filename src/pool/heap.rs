@@ -897,9 +897,7 @@ impl Heap {
             covers: Vec::new(),
         };
         if let Err(e) = self.steal_all(&victims, &mut steals) {
-            for st in std::mem::take(&mut steals.stolen) {
-                self.unsteal(st, &steals.covers);
-            }
+            self.unsteal_all(steals);
             self.drop_users(first, last);
             return Err(e);
         }
@@ -932,9 +930,7 @@ impl Heap {
                         None => self.push_spare(c),
                     }
                 }
-                for st in std::mem::take(&mut steals.stolen) {
-                    self.unsteal(st, &steals.covers);
-                }
+                self.unsteal_all(steals);
                 // Runs this call already backed stay mapped: they become
                 // idle below and are reused like any other.
                 self.drop_users(first, last);
@@ -1026,11 +1022,9 @@ impl Heap {
         if !self.peers.is_empty() {
             let bytes = chunks.len() as u64 * self.gran;
             if let Err(e) = self.backend.set_access(self.dev, va, bytes, &self.peers) {
-                for k in 0..chunks.len() as u64 {
-                    let _ = self
-                        .backend
-                        .unmap(self.dev, va.offset(k * self.gran), self.gran);
-                }
+                let _ = self
+                    .backend
+                    .unmap_run(self.dev, va, self.gran, chunks.len() as u64);
                 return Err(e);
             }
         }
@@ -1190,6 +1184,13 @@ impl Heap {
                 .take()
                 .expect("idle granules are mapped");
             out.stolen.push(Stolen { g, chunk, run });
+        }
+    }
+
+    /// Undoes every steal of `steals` whose chunk was not mapped.
+    fn unsteal_all(&mut self, steals: Steals) {
+        for st in steals.stolen {
+            self.unsteal(st, &steals.covers);
         }
     }
 

@@ -396,8 +396,8 @@ impl DeviceMemory {
         for (i, &c) in chunks.iter().enumerate() {
             let at = va + i as u64 * gran;
             if let Err(e) = self.map_checked(at, gran, c, 0) {
-                for j in 0..i as u64 {
-                    self.unmap(va + j * gran, gran).expect("mapped just above");
+                if i > 0 {
+                    self.unmap(va, i as u64 * gran).expect("mapped just above");
                 }
                 return Err(e);
             }

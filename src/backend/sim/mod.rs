@@ -324,6 +324,23 @@ impl SimBackend {
         Ok(())
     }
 
+    /// Counts `n` maps against an armed [`SimBackend::fail_nth_map`]: the
+    /// index among them of the one that fails, with its error, if any.
+    fn map_fault(d: &SimDevice, dev: usize, n: u64) -> Option<(u64, Error)> {
+        let at = d.faults.fail_map_at.load(Relaxed);
+        if at == 0 {
+            return None;
+        }
+        let before = d.faults.map_calls.fetch_add(n, Relaxed);
+        if !(before + 1..=before + n).contains(&at) {
+            return None;
+        }
+        // Later maps count on from the failed one (they never fail again).
+        d.faults.map_calls.store(at, Relaxed);
+        let e = Error::InjectedFault(format!("cuMemMap #{at} on device {dev} failed"));
+        Some((at - before - 1, e))
+    }
+
     /// Caps the memory of `dev` below its configured capacity (`None` lifts
     /// the cap). Memory already held stays held.
     pub fn set_capacity_limit(&self, dev: usize, cap: Option<u64>) -> Result<()> {
@@ -627,11 +644,8 @@ impl Backend for SimBackend {
         self.counters.count(Call::Map);
         self.counters.count(Call::SetAccess);
         let d = self.dev(dev)?;
-        let at = d.faults.fail_map_at.load(Relaxed);
-        if at != 0 && d.faults.map_calls.fetch_add(1, Relaxed) + 1 == at {
-            return Err(Error::InjectedFault(format!(
-                "cuMemMap #{at} on device {dev} failed"
-            )));
+        if let Some((_, e)) = Self::map_fault(d, dev, 1) {
+            return Err(e);
         }
         d.mem.write().map(va.0, bytes, chunk.0, off)
     }
@@ -639,24 +653,16 @@ impl Backend for SimBackend {
     fn map_run(&self, dev: usize, va: DevicePtr, gran: u64, chunks: &[ChunkHandle]) -> Result<()> {
         let d = self.dev(dev)?;
         let n = chunks.len() as u64;
-        let at = d.faults.fail_map_at.load(Relaxed);
-        if at != 0 {
-            // An armed fault fails the map it lands on; the CUDA backend
-            // would have mapped (and then unmapped) the chunks before it.
-            let before = d.faults.map_calls.fetch_add(n, Relaxed);
-            if (before + 1..=before + n).contains(&at) {
-                let k = at - before - 1;
-                d.faults.map_calls.store(at, Relaxed);
-                for _ in 0..=k {
-                    self.counters.count(Call::Map);
-                }
-                for _ in 0..k {
-                    self.counters.count(Call::Unmap);
-                }
-                return Err(Error::InjectedFault(format!(
-                    "cuMemMap #{at} on device {dev} failed"
-                )));
+        if let Some((k, e)) = Self::map_fault(d, dev, n) {
+            // The CUDA backend would have mapped (and then unmapped) the
+            // chunks before the failing one.
+            for _ in 0..=k {
+                self.counters.count(Call::Map);
             }
+            for _ in 0..k {
+                self.counters.count(Call::Unmap);
+            }
+            return Err(e);
         }
         for _ in 0..n {
             self.counters.count(Call::Map);
