@@ -646,6 +646,53 @@ fn sim_release_while_mapped_frees_after_unmap_as_cuda_does() {
 }
 
 #[test]
+fn sim_unmaps_only_whole_mappings_and_a_bad_unmap_changes_nothing() {
+    let s = sim();
+    let g = s.config().granularity;
+    let (c0, c1) = (
+        s.create_chunk(0, 2 * g).unwrap(),
+        s.create_chunk(0, g).unwrap(),
+    );
+    let va = s.reserve_va(0, 8 * g).unwrap();
+    // A two-granule mapping at granule 1, a one-granule one at granule 5.
+    s.map(0, va.offset(g), 2 * g, c0, 0).unwrap();
+    s.map(0, va.offset(5 * g), g, c1, 0).unwrap();
+    s.copy_from_host(0, va.offset(g), &[7u8; 16]).unwrap();
+    let bad = [
+        (va.offset(g), g, "half of a mapping"),
+        (va.offset(2 * g), g, "the other half"),
+        (va, 3 * g, "a gap before the mapping"),
+        (va.offset(g), 5 * g, "a gap between two mappings"),
+        (va.offset(7 * g), 2 * g, "past the reservation's end"),
+    ];
+    for (at, len, what) in bad {
+        assert!(s.unmap(0, at, len).is_err(), "{what}");
+    }
+    // Nothing changed: both mappings hold, and can be unmapped whole.
+    assert_eq!(read_sim(&s, va.offset(g), 16), vec![7u8; 16]);
+    assert!(
+        s.map(0, va.offset(2 * g), g, c1, 0).is_err(),
+        "still mapped"
+    );
+    s.unmap(0, va.offset(g), 2 * g).unwrap();
+    s.unmap(0, va.offset(5 * g), g).unwrap();
+    assert!(s.unmap(0, va.offset(g), 2 * g).is_err(), "already unmapped");
+    // Granule 1 maps again, under the other chunk.
+    s.map(0, va.offset(g), g, c1, 0).unwrap();
+    s.unmap(0, va.offset(g), g).unwrap();
+    s.release_chunk(0, c0).unwrap();
+    s.release_chunk(0, c1).unwrap();
+    s.free_va(0, va, 8 * g).unwrap();
+    assert_eq!(s.used_bytes(0), 0);
+}
+
+fn read_sim(s: &SimBackend, p: DevicePtr, n: usize) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    s.copy_to_host(0, p, &mut v).unwrap();
+    v
+}
+
+#[test]
 fn sim_unmapped_memory_is_really_inaccessible_to_work() {
     let s = sim();
     let st = s.create_stream(0).unwrap();

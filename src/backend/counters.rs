@@ -79,6 +79,12 @@ impl CallCounters {
         self.calls[call as usize].fetch_add(1, Relaxed);
     }
 
+    /// Counts `n` calls of one kind (a run of mappings) with one atomic add.
+    #[inline]
+    pub fn count_n(&self, call: Call, n: u64) {
+        self.calls[call as usize].fetch_add(n, Relaxed);
+    }
+
     /// Counts one host-blocking sync made on device `dev`.
     #[inline]
     pub fn count_host_sync(&self, dev: usize) {

@@ -30,13 +30,28 @@ struct Chunk {
     released: bool,
 }
 
-/// One reserved virtual range.
+/// One reserved virtual range and the chunk mappings inside it.
 #[derive(Debug)]
 struct Reservation {
     len: u64,
     /// What `mmap` returned (before aligning), for `munmap`.
     raw_base: u64,
     raw_len: u64,
+    /// The mapping holding each granule, by granule offset from the base
+    /// (every granule of a mapping holds a copy of it); grown on demand up
+    /// to the highest granule mapped so far. Mappings are granule aligned,
+    /// so mapping, unmapping and address checks index this directly: a
+    /// replay stitches thousands of granules per pass.
+    granules: Vec<Option<Mapped>>,
+    /// Granules mapped.
+    mapped: u64,
+}
+
+impl Reservation {
+    /// The mapping holding granule `i`, if any.
+    fn at(&self, i: u64) -> Option<Mapped> {
+        self.granules.get(i as usize).copied().flatten()
+    }
 }
 
 /// Part of a chunk mapped into a reservation.
@@ -70,13 +85,8 @@ pub(super) struct DeviceMemory {
     pub(super) used: u64,
     chunks: FxHashMap<u64, Chunk>,
     next_chunk: u64,
+    /// Reservations by base address, each with its mapping table.
     reservations: BTreeMap<u64, Reservation>,
-    /// Chunk mappings by granule number (`va / granularity`): every granule
-    /// of a mapping holds a copy of it. Mappings are granule aligned, so
-    /// mapping, unmapping and address checks are exact lookups, O(granules)
-    /// rather than O(log mappings) searches (a replay stitches thousands of
-    /// granules per pass).
-    by_granule: FxHashMap<u64, Mapped>,
     /// Plain segments: va -> segment.
     segments: BTreeMap<u64, Segment>,
     /// Next fake address in accounting mode.
@@ -121,7 +131,6 @@ impl DeviceMemory {
             chunks: FxHashMap::default(),
             next_chunk: 1,
             reservations: BTreeMap::new(),
-            by_granule: FxHashMap::default(),
             segments: BTreeMap::new(),
             // Distinct, recognisable fake address spaces per device.
             next_fake_va: 0x1000_0000_0000 + ((device as u64) << 40),
@@ -274,6 +283,8 @@ impl DeviceMemory {
                 len: bytes,
                 raw_base,
                 raw_len,
+                granules: Vec::new(),
+                mapped: 0,
             },
         );
         Ok(base)
@@ -292,8 +303,7 @@ impl DeviceMemory {
                 r.len
             )));
         }
-        let (g0, g1) = (base / self.granularity, (base + bytes) / self.granularity);
-        if self.by_granule.keys().any(|g| (g0..g1).contains(g)) {
+        if r.mapped != 0 {
             return Err(Error::InvalidArgument(format!(
                 "reservation {base:#x} still has mappings"
             )));
@@ -307,45 +317,57 @@ impl DeviceMemory {
         Ok(())
     }
 
-    /// The reservation holding all of `[va, va+len)`, if any.
+    /// The reservation holding all of `[va, va+len)`, if any: its base.
     fn reservation_of(&self, va: u64, len: u64) -> Option<u64> {
         let (&base, r) = self.reservations.range(..=va).next_back()?;
         (va + len <= base + r.len).then_some(base)
     }
 
     pub(super) fn map(&mut self, va: u64, bytes: u64, chunk: u64, chunk_offset: u64) -> Result<()> {
-        self.check_map_range(va, bytes, bytes, chunk_offset)?;
-        self.map_checked(va, bytes, chunk, chunk_offset)
+        let base = self.check_map_range(va, bytes, bytes, chunk_offset)?;
+        self.map_checked(base, va, bytes, chunk, chunk_offset)
     }
 
     /// Checks a mapping of `bytes` at `va` made of pieces of `piece` bytes
     /// from chunk offset `chunk_offset`: granule sizes and alignment, and
-    /// one reservation holding it all.
-    fn check_map_range(&self, va: u64, bytes: u64, piece: u64, chunk_offset: u64) -> Result<()> {
+    /// one reservation holding it all (its base is returned).
+    fn check_map_range(&self, va: u64, bytes: u64, piece: u64, chunk_offset: u64) -> Result<u64> {
         self.check_granule("mapping size", piece)?;
         if va % self.granularity != 0 || chunk_offset % self.granularity != 0 {
             return Err(Error::InvalidArgument(format!(
                 "mapping at {va:#x} (chunk offset {chunk_offset}) is not granule aligned"
             )));
         }
-        if self.reservation_of(va, bytes).is_none() {
-            return Err(Error::InvalidArgument(format!(
+        self.reservation_of(va, bytes).ok_or_else(|| {
+            Error::InvalidArgument(format!(
                 "[{va:#x}, +{bytes}) is not inside one reservation on device {}",
                 self.device
-            )));
-        }
-        Ok(())
+            ))
+        })
     }
 
     /// [`DeviceMemory::map`] once the range is known to be aligned and
-    /// inside one reservation.
-    fn map_checked(&mut self, va: u64, bytes: u64, chunk: u64, chunk_offset: u64) -> Result<()> {
-        if self.overlaps_mapping(va, bytes) {
+    /// inside the reservation at `base`.
+    fn map_checked(
+        &mut self,
+        base: u64,
+        va: u64,
+        bytes: u64,
+        chunk: u64,
+        chunk_offset: u64,
+    ) -> Result<()> {
+        let g = self.granularity;
+        let (i0, i1) = ((va - base) / g, (va - base + bytes) / g);
+        let (device, backing, fd) = (self.device, self.backing, self.fd());
+        let r = self
+            .reservations
+            .get_mut(&base)
+            .expect("checked by the caller");
+        if (i0..i1).any(|i| r.at(i).is_some()) {
             return Err(Error::InvalidArgument(format!(
                 "[{va:#x}, +{bytes}) is already mapped"
             )));
         }
-        let (device, backing, fd) = (self.device, self.backing, self.fd());
         let c = self
             .chunks
             .get_mut(&chunk)
@@ -381,9 +403,11 @@ impl DeviceMemory {
             len: bytes,
             chunk,
         };
-        let g = self.granularity;
-        self.by_granule
-            .extend((va / g..(va + bytes) / g).map(|n| (n, m)));
+        if r.granules.len() < i1 as usize {
+            r.granules.resize(i1 as usize, None);
+        }
+        r.granules[i0 as usize..i1 as usize].fill(Some(m));
+        r.mapped += i1 - i0;
         Ok(())
     }
 
@@ -392,10 +416,10 @@ impl DeviceMemory {
     /// then mapped as by [`DeviceMemory::map`]. All or nothing: on an error
     /// the chunks already mapped are unmapped again.
     pub(super) fn map_run(&mut self, va: u64, gran: u64, chunks: &[u64]) -> Result<()> {
-        self.check_map_range(va, gran * chunks.len() as u64, gran, 0)?;
+        let base = self.check_map_range(va, gran * chunks.len() as u64, gran, 0)?;
         for (i, &c) in chunks.iter().enumerate() {
             let at = va + i as u64 * gran;
-            if let Err(e) = self.map_checked(at, gran, c, 0) {
+            if let Err(e) = self.map_checked(base, at, gran, c, 0) {
                 if i > 0 {
                     self.unmap(va, i as u64 * gran).expect("mapped just above");
                 }
@@ -405,27 +429,25 @@ impl DeviceMemory {
         Ok(())
     }
 
-    /// Whether a chunk mapping overlaps `[va, va+len)` (granule aligned,
-    /// inside a reservation, so no segment can).
-    fn overlaps_mapping(&self, va: u64, len: u64) -> bool {
-        let g = self.granularity;
-        (va / g..(va + len).div_ceil(g)).any(|n| self.by_granule.contains_key(&n))
-    }
-
-    /// Unmaps whole mappings exactly covering `[va, va+bytes)`.
+    /// Unmaps whole mappings exactly covering `[va, va+bytes)` (inside one
+    /// reservation, as every mapping is).
     pub(super) fn unmap(&mut self, va: u64, bytes: u64) -> Result<()> {
+        let g = self.granularity;
+        let not_whole = |at: u64| {
+            Error::InvalidArgument(format!(
+                "[{va:#x}, +{bytes}) is not a whole set of mappings (gap or split at {at:#x})"
+            ))
+        };
+        let base = self
+            .reservation_of(va, bytes)
+            .ok_or_else(|| not_whole(va))?;
+        let r = self.reservations.get_mut(&base).expect("found above");
         // Checked first, removed after: a bad call changes nothing.
         let mut cursor = va;
         while cursor < va + bytes {
-            match self.by_granule.get(&(cursor / self.granularity)) {
-                Some(m) if m.start == cursor => {
-                    cursor += m.len;
-                }
-                _ => {
-                    return Err(Error::InvalidArgument(format!(
-                        "[{va:#x}, +{bytes}) is not a whole set of mappings (gap or split at {cursor:#x})"
-                    )))
-                }
+            match r.at((cursor - base) / g) {
+                Some(m) if m.start == cursor => cursor += m.len,
+                _ => return Err(not_whole(cursor)),
             }
         }
         if cursor != va + bytes {
@@ -450,18 +472,21 @@ impl DeviceMemory {
                 return Err(os_err("cuMemUnmap(mmap)"));
             }
         }
-        let mut start = va;
-        while start < va + bytes {
-            let g = self.granularity;
-            let m = self.by_granule[&(start / g)];
-            for n in start / g..(start + m.len) / g {
-                self.by_granule.remove(&n);
-            }
-            start += m.len;
-            let c = self.chunks.get_mut(&m.chunk).expect("mapped chunk exists");
+        let (i0, i1) = ((va - base) / g, (va - base + bytes) / g);
+        let mut unmapped: smallvec::SmallVec<[u64; 64]> = smallvec::SmallVec::new();
+        let mut i = i0;
+        while i < i1 {
+            let m = r.at(i).expect("checked above");
+            unmapped.push(m.chunk);
+            i += m.len / g;
+        }
+        r.granules[i0 as usize..i1 as usize].fill(None);
+        r.mapped -= i1 - i0;
+        for id in unmapped {
+            let c = self.chunks.get_mut(&id).expect("mapped chunk exists");
             c.maps -= 1;
             if c.maps == 0 && c.released {
-                self.drop_chunk(m.chunk);
+                self.drop_chunk(id);
             }
         }
         Ok(())
@@ -495,7 +520,8 @@ impl DeviceMemory {
 
     /// The end of the mapping (chunk mapping or segment) holding `va`.
     fn mapping_end(&self, va: u64) -> Option<u64> {
-        if let Some(m) = self.by_granule.get(&(va / self.granularity)) {
+        if let Some(base) = self.reservation_of(va, 1) {
+            let m = self.reservations[&base].at((va - base) / self.granularity)?;
             return Some(m.start + m.len);
         }
         let (&s, seg) = self.segments.range(..=va).next_back()?;

@@ -656,17 +656,11 @@ impl Backend for SimBackend {
         if let Some((k, e)) = Self::map_fault(d, dev, n) {
             // The CUDA backend would have mapped (and then unmapped) the
             // chunks before the failing one.
-            for _ in 0..=k {
-                self.counters.count(Call::Map);
-            }
-            for _ in 0..k {
-                self.counters.count(Call::Unmap);
-            }
+            self.counters.count_n(Call::Map, k + 1);
+            self.counters.count_n(Call::Unmap, k);
             return Err(e);
         }
-        for _ in 0..n {
-            self.counters.count(Call::Map);
-        }
+        self.counters.count_n(Call::Map, n);
         let raw: smallvec::SmallVec<[u64; 128]> = chunks.iter().map(|c| c.0).collect();
         d.mem.write().map_run(va.0, gran, &raw)?;
         // One access grant for the run, as the CUDA backend makes.
@@ -676,9 +670,7 @@ impl Backend for SimBackend {
 
     fn unmap_run(&self, dev: usize, va: DevicePtr, gran: u64, n: u64) -> Result<()> {
         let d = self.dev(dev)?;
-        for _ in 0..n {
-            self.counters.count(Call::Unmap);
-        }
+        self.counters.count_n(Call::Unmap, n);
         // The memory table checks the whole run first (a set of whole
         // mappings) and then removes it, as the per-mapping calls would.
         d.mem.write().unmap(va.0, n * gran)
