@@ -28,8 +28,6 @@
 //! already backs, before a stream is flushed, and before any reclaim, so
 //! parking never makes the pool grow or strands memory.
 
-use rustc_hash::FxHashMap;
-
 /// Bits below a length's leading one that pick its class: 64 classes per
 /// power of two.
 const CLASS_BITS: u32 = 6;
@@ -51,12 +49,70 @@ fn class_of(len: u64) -> u32 {
     (fl - CLASS_BITS + 1) * (1 << CLASS_BITS) + sub
 }
 
-/// Parked ranges `(len, addr)` by `(slot, class)`, oldest first.
+/// Parked ranges `(len, addr)` by stream slot and class, oldest first.
+///
+/// The lists are dense arrays, `slots[slot][class]`, grown on demand: a
+/// take or a park indexes them directly, and a miss looks at the next
+/// classes' lists, which sit beside its own (a hash map keyed by
+/// `(slot, class)` paid a probe and a likely cache miss for each).
 #[derive(Debug, Default)]
 pub(crate) struct ExactCache {
-    map: FxHashMap<(u16, u32), Vec<(u64, u64)>>,
+    slots: Vec<SlotLists>,
+    /// Ranges parked.
+    count: usize,
     /// Bytes parked.
     pub bytes: u64,
+}
+
+/// One stream slot's class lists, with a bitmap of the non-empty ones so
+/// that giving everything back visits only those (a large block's class
+/// is in the thousands).
+#[derive(Debug, Default)]
+struct SlotLists {
+    lists: Vec<Vec<(u64, u64)>>,
+    nonempty: Vec<u64>,
+}
+
+impl SlotLists {
+    /// The newest range of class `c`, if any.
+    #[inline]
+    fn pop(&mut self, c: usize) -> Option<(u64, u64)> {
+        let r = self.lists.get_mut(c)?.pop()?;
+        self.note_taken(c);
+        Some(r)
+    }
+
+    /// Clears the bit of class `c` if its list became empty.
+    #[inline]
+    fn note_taken(&mut self, c: usize) {
+        if self.lists[c].is_empty() {
+            self.nonempty[c / 64] &= !(1 << (c % 64));
+        }
+    }
+
+    #[inline]
+    fn push(&mut self, c: usize, r: (u64, u64)) {
+        if self.lists.len() <= c {
+            self.lists.resize_with(c + 1, Vec::new);
+            self.nonempty.resize((c + 1).div_ceil(64), 0);
+        }
+        self.lists[c].push(r);
+        self.nonempty[c / 64] |= 1 << (c % 64);
+    }
+
+    /// Empties every list (keeping its capacity), passing each range to `f`.
+    fn drain_each(&mut self, mut f: impl FnMut(u64, u64)) {
+        for w in 0..self.nonempty.len() {
+            let mut bits = std::mem::take(&mut self.nonempty[w]);
+            while bits != 0 {
+                let c = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                for (l, a) in self.lists[c].drain(..) {
+                    f(l, a);
+                }
+            }
+        }
+    }
 }
 
 impl ExactCache {
@@ -64,56 +120,32 @@ impl ExactCache {
     /// the next [`NEXT_CLASSES`]), freed on `slot`: `(addr, its length)`.
     #[inline]
     pub(crate) fn take(&mut self, slot: u16, len: u64) -> Option<(u64, u64)> {
-        let class = class_of(len);
-        if let Some(hit) = self.take_in_class(slot, class, len) {
-            return Some(hit);
-        }
-        // Every range of a higher class is longer than `len`: the newest.
-        for c in class + 1..=class + NEXT_CLASSES {
-            if let Some((l, addr)) = self.map.get_mut(&(slot, c)).and_then(Vec::pop) {
-                self.bytes -= l;
-                return Some((addr, l));
+        let class = class_of(len) as usize;
+        let sl = self.slots.get_mut(slot as usize)?;
+        let own = sl.lists.get_mut(class).and_then(|v| take_in_class(v, len));
+        let hit = match own {
+            Some(hit) => {
+                sl.note_taken(class);
+                hit
             }
-        }
-        None
-    }
-
-    /// A parked range of class `class` at least `len` long.
-    #[inline]
-    fn take_in_class(&mut self, slot: u16, class: u32, len: u64) -> Option<(u64, u64)> {
-        let v = self.map.get_mut(&(slot, class))?;
-        let mut best: Option<usize> = None;
-        for i in (0..v.len()).rev().take(SCAN) {
-            let l = v[i].0;
-            if l == len {
-                best = Some(i);
-                break;
-            }
-            if l > len && best.is_none_or(|b| l < v[b].0) {
-                best = Some(i);
-            }
-        }
-        if best.is_none() && v.len() > SCAN {
-            // Older entries: the shortest that fits.
-            best = (0..v.len() - SCAN)
-                .filter(|&i| v[i].0 >= len)
-                .min_by_key(|&i| v[i].0);
-        }
-        // (An emptied list keeps its key and capacity: the same class
-        // comes back at once in a loop.)
-        let (l, addr) = v.remove(best?);
-        self.bytes -= l;
-        Some((addr, l))
+            // Every range of a higher class is longer than `len`: the newest.
+            None => (class + 1..=class + NEXT_CLASSES as usize).find_map(|c| sl.pop(c))?,
+        };
+        self.bytes -= hit.0;
+        self.count -= 1;
+        Some((hit.1, hit.0))
     }
 
     /// Parks a range of `len` bytes freed on `slot`.
     #[inline]
     pub(crate) fn put(&mut self, slot: u16, len: u64, addr: u64) {
-        self.map
-            .entry((slot, class_of(len)))
-            .or_default()
-            .push((len, addr));
+        let slot = slot as usize;
+        if self.slots.len() <= slot {
+            self.slots.resize_with(slot + 1, SlotLists::default);
+        }
+        self.slots[slot].push(class_of(len) as usize, (len, addr));
         self.bytes += len;
+        self.count += 1;
     }
 
     /// Removes every parked range, passing each to `f` as
@@ -123,10 +155,9 @@ impl ExactCache {
     /// random_allocations).
     pub(crate) fn drain_each(&mut self, mut f: impl FnMut(u16, u64, u64)) {
         self.bytes = 0;
-        for (&(slot, _), v) in &mut self.map {
-            for (l, a) in v.drain(..) {
-                f(slot, l, a);
-            }
+        self.count = 0;
+        for (slot, sl) in self.slots.iter_mut().enumerate() {
+            sl.drain_each(|l, a| f(slot as u16, l, a));
         }
     }
 
@@ -140,26 +171,56 @@ impl ExactCache {
 
     /// Removes and returns the ranges parked by `slot` as `(len, addr)`.
     pub(crate) fn drain_slot(&mut self, slot: u16) -> Vec<(u64, u64)> {
+        let Some(sl) = self.slots.get_mut(slot as usize) else {
+            return Vec::new();
+        };
         let mut out = Vec::new();
-        self.map.retain(|&(s, _), v| {
-            if s == slot {
-                out.append(v);
-            }
-            !v.is_empty()
-        });
+        sl.drain_each(|l, a| out.push((l, a)));
         self.bytes -= out.iter().map(|r| r.0).sum::<u64>();
+        self.count -= out.len();
         out
     }
 
     /// Every parked address.
     pub(crate) fn addrs(&self) -> impl Iterator<Item = u64> + '_ {
-        self.map.values().flatten().map(|r| r.1)
+        self.slots
+            .iter()
+            .flat_map(|sl| sl.lists.iter().flatten())
+            .map(|r| r.1)
     }
 
     /// Whether nothing is parked.
     pub(crate) fn is_empty(&self) -> bool {
-        self.bytes == 0
+        self.count == 0
     }
+}
+
+/// A parked range of list `v` (one class) at least `len` long, as
+/// `(len, addr)`: an exact length among the newest [`SCAN`], else the
+/// shortest that fits among them, else the shortest that fits of the
+/// older ones.
+#[inline]
+fn take_in_class(v: &mut Vec<(u64, u64)>, len: u64) -> Option<(u64, u64)> {
+    let mut best: Option<usize> = None;
+    for i in (0..v.len()).rev().take(SCAN) {
+        let l = v[i].0;
+        if l == len {
+            best = Some(i);
+            break;
+        }
+        if l > len && best.is_none_or(|b| l < v[b].0) {
+            best = Some(i);
+        }
+    }
+    if best.is_none() && v.len() > SCAN {
+        // Older entries: the shortest that fits.
+        best = (0..v.len() - SCAN)
+            .filter(|&i| v[i].0 >= len)
+            .min_by_key(|&i| v[i].0);
+    }
+    // (An emptied list keeps its capacity: the same class comes back at
+    // once in a loop.)
+    Some(v.remove(best?))
 }
 
 #[cfg(test)]
@@ -223,5 +284,51 @@ mod tests {
         c.put(1, mib + step, 0x40_0000);
         assert_eq!(c.take(0, mib), None);
         assert!(!c.is_empty());
+    }
+
+    #[test]
+    fn takes_and_drains_match_a_plain_model() {
+        // Random parks and takes over three slots and lengths from 256 B to
+        // 1 GiB; the cache must give back exactly the ranges a plain list
+        // holds, and a take must return a parked range of its slot that
+        // fits within the next classes.
+        let mut c = ExactCache::default();
+        let mut model: Vec<(u16, u64, u64)> = Vec::new();
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for step in 0..20_000u64 {
+            let r = next();
+            let slot = (r % 3) as u16;
+            let len = 256 * (1 + (r >> 8) % (1 << ((r >> 40) % 23)));
+            if r >> 60 < 9 {
+                c.put(slot, len, step << 32);
+                model.push((slot, len, step << 32));
+            } else if let Some((addr, got)) = c.take(slot, len) {
+                let i = model.iter().position(|m| m.2 == addr).expect("was parked");
+                assert_eq!((model[i].0, model[i].1), (slot, got));
+                assert!(got >= len && class_of(got) <= class_of(len) + NEXT_CLASSES);
+                model.swap_remove(i);
+            } else {
+                // Nothing of this slot at least `len` long within reach.
+                let reach = class_of(len) + NEXT_CLASSES;
+                assert!(!model
+                    .iter()
+                    .any(|m| m.0 == slot && m.1 >= len && class_of(m.1) <= reach));
+            }
+            assert_eq!(c.bytes, model.iter().map(|m| m.1).sum::<u64>());
+            if step % 5_000 == 4_999 {
+                let mut all = c.drain();
+                all.sort_unstable();
+                model.sort_unstable();
+                assert_eq!(all, model);
+                assert!(c.is_empty() && c.addrs().next().is_none());
+                model.clear();
+            }
+        }
     }
 }

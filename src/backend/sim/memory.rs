@@ -14,6 +14,7 @@
 
 use super::SimBacking;
 use crate::error::{Error, Result};
+use crate::ptr::ChunkHandle;
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -415,9 +416,9 @@ impl DeviceMemory {
     /// range is checked once (alignment, one reservation); each chunk is
     /// then mapped as by [`DeviceMemory::map`]. All or nothing: on an error
     /// the chunks already mapped are unmapped again.
-    pub(super) fn map_run(&mut self, va: u64, gran: u64, chunks: &[u64]) -> Result<()> {
+    pub(super) fn map_run(&mut self, va: u64, gran: u64, chunks: &[ChunkHandle]) -> Result<()> {
         let base = self.check_map_range(va, gran * chunks.len() as u64, gran, 0)?;
-        for (i, &c) in chunks.iter().enumerate() {
+        for (i, &ChunkHandle(c)) in chunks.iter().enumerate() {
             let at = va + i as u64 * gran;
             if let Err(e) = self.map_checked(base, at, gran, c, 0) {
                 if i > 0 {
@@ -482,7 +483,7 @@ impl DeviceMemory {
         }
         r.granules[i0 as usize..i1 as usize].fill(None);
         r.mapped -= i1 - i0;
-        for id in unmapped {
+        for &id in &unmapped {
             let c = self.chunks.get_mut(&id).expect("mapped chunk exists");
             c.maps -= 1;
             if c.maps == 0 && c.released {

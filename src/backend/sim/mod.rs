@@ -661,8 +661,7 @@ impl Backend for SimBackend {
             return Err(e);
         }
         self.counters.count_n(Call::Map, n);
-        let raw: smallvec::SmallVec<[u64; 128]> = chunks.iter().map(|c| c.0).collect();
-        d.mem.write().map_run(va.0, gran, &raw)?;
+        d.mem.write().map_run(va.0, gran, chunks)?;
         // One access grant for the run, as the CUDA backend makes.
         self.counters.count(Call::SetAccess);
         Ok(())
