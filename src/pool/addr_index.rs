@@ -2,22 +2,25 @@
 //!
 //! Freeing a range merges it with the free ranges that end where it starts
 //! and start where it ends, and splitting one keeps its head in place. With
-//! one ordered map, each of those lookups is a full tree descent. Here exact
-//! lookups go to hash maps instead: one by start, one by end (so the
-//! neighbour before is found in O(1), as boundary tags find it in a host
-//! allocator), and only the set of starts is ordered, for the slow paths
-//! that ask which range covers an address. Growing or shrinking a range at
-//! its end — the common merge and split — leaves that ordered set alone.
+//! one ordered map, each of those lookups is a full tree descent. Here the
+//! range starting at an address is an exact lookup in a hash map, and the
+//! starts are also kept in order, for the range ending at an address (the
+//! last start before it) and for the slow paths that ask which range covers
+//! an address. Growing or shrinking a range at its end — the common merge
+//! and split — touches neither the order nor any key.
 //!
 //! Inside one reservation (VMM mode) the ordered set is a short sorted
 //! vector of starts per granule plus a bitmap of granules that hold any
 //! ([`AddrIndex::for_reservation`]): an insert or removal touches one small
 //! vector instead of descending a tree of tens of thousands of starts (in
 //! RMM's random_allocations at 10^5 this cut the L1 misses per operation
-//! from 12.2 to 10.9). Plain segments keep an ordered tree.
+//! from 12.2 to 10.9), and the range before an address is found in that
+//! address's granule or, past empty ones, by a bitmap scan. A second hash
+//! map by end address, kept before, cost an insert and a removal on every
+//! change of a range's end. Plain segments keep an ordered tree.
 //!
-//! Invariant: `starts`, `ends` and `order` describe the same ranges, which
-//! never overlap.
+//! Invariant: `starts` and `order` describe the same ranges, which never
+//! overlap.
 
 use super::granule_set::GranuleSet;
 use rustc_hash::FxHashMap;
@@ -180,8 +183,6 @@ impl Order {
 #[derive(Debug, Clone)]
 pub(crate) struct AddrIndex<T> {
     starts: FxHashMap<u64, Span<T>>,
-    /// End address -> start address.
-    ends: FxHashMap<u64, u64>,
     order: Order,
 }
 
@@ -189,7 +190,6 @@ impl<T> Default for AddrIndex<T> {
     fn default() -> Self {
         AddrIndex {
             starts: FxHashMap::default(),
-            ends: FxHashMap::default(),
             order: Order::Tree(BTreeSet::new()),
         }
     }
@@ -202,7 +202,6 @@ impl<T: Copy> AddrIndex<T> {
         let n = len.div_ceil(1 << shift) as usize;
         AddrIndex {
             starts: FxHashMap::default(),
-            ends: FxHashMap::default(),
             order: Order::Buckets(Buckets {
                 base,
                 shift,
@@ -219,7 +218,6 @@ impl<T: Copy> AddrIndex<T> {
         debug_assert!(s.len > 0);
         let old = self.starts.insert(addr, s);
         debug_assert!(old.is_none(), "free range at {addr:#x} indexed twice");
-        self.ends.insert(addr + s.len, addr);
         self.order.insert(addr);
     }
 
@@ -227,7 +225,6 @@ impl<T: Copy> AddrIndex<T> {
     #[inline]
     pub(crate) fn remove(&mut self, addr: u64) -> Option<Span<T>> {
         let s = self.starts.remove(&addr)?;
-        self.ends.remove(&(addr + s.len));
         self.order.remove(addr);
         Some(s)
     }
@@ -241,17 +238,22 @@ impl<T: Copy> AddrIndex<T> {
     /// The start of the range ending at `end`.
     #[inline]
     pub(crate) fn start_of_range_ending_at(&self, end: u64) -> Option<u64> {
-        self.ends.get(&end).copied()
+        self.range_ending_at(end).map(|r| r.0)
+    }
+
+    /// The range ending at `end`: the last one starting before it, if it
+    /// reaches exactly there.
+    #[inline]
+    pub(crate) fn range_ending_at(&self, end: u64) -> Option<(u64, Span<T>)> {
+        let (a, s) = self.at_or_before(end.checked_sub(1)?)?;
+        (a + s.len == end).then_some((a, s))
     }
 
     /// Changes the length of the range at `addr` (its start stays).
     #[inline]
     pub(crate) fn set_len(&mut self, addr: u64, len: u64) {
         debug_assert!(len > 0);
-        let s = self.starts.get_mut(&addr).expect("free range exists");
-        self.ends.remove(&(addr + s.len));
-        s.len = len;
-        self.ends.insert(addr + len, addr);
+        self.starts.get_mut(&addr).expect("free range exists").len = len;
     }
 
     /// Changes the tag of the range at `addr`.
@@ -286,14 +288,9 @@ impl<T: Copy> AddrIndex<T> {
         self.starts.len()
     }
 
-    /// Whether the three maps agree (for the audit).
+    /// Whether the map and the order agree (for the audit).
     pub(crate) fn consistent(&self) -> bool {
-        self.starts.len() == self.ends.len()
-            && self.starts.len() == self.order.len()
-            && self
-                .starts
-                .iter()
-                .all(|(a, s)| self.ends.get(&(a + s.len)) == Some(a) && self.order.contains(*a))
+        self.starts.len() == self.order.len() && self.starts.keys().all(|&a| self.order.contains(a))
     }
 }
 

@@ -296,8 +296,7 @@ impl Heap {
             set.remove(nlen, addr + len);
             total += nlen;
         }
-        if let Some(pa) = self.by_addr.start_of_range_ending_at(addr) {
-            let pr = self.by_addr.get(pa).expect("indexed by its end");
+        if let Some((pa, pr)) = self.by_addr.range_ending_at(addr) {
             if pr.tag == tag && Self::same_segment_in(&self.phys, pa, addr) {
                 set.remove(pr.len, pa);
                 set.insert(pr.len + total, pa);
