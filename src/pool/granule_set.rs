@@ -60,6 +60,25 @@ impl GranuleSet {
         self.update_range(lo, hi, false);
     }
 
+    /// Adds every index in `[lo, hi)` that `of` holds (a word at a time).
+    pub(crate) fn insert_range_of(&mut self, lo: u32, hi: u32, of: &GranuleSet) {
+        let (lo, hi) = (lo as usize, hi as usize);
+        let mut g = lo;
+        while g < hi {
+            let w = g / 64;
+            let end = ((w + 1) * 64).min(hi);
+            let width = end - g;
+            let mask = (!0u64).checked_shr(64 - width as u32).unwrap_or(0) << (g % 64);
+            let add = of.words[w] & mask & !self.words[w];
+            if add != 0 {
+                self.words[w] |= add;
+                self.len += add.count_ones() as usize;
+                self.summary[w / 64] |= 1 << (w % 64);
+            }
+            g = end;
+        }
+    }
+
     fn update_range(&mut self, lo: u32, hi: u32, set: bool) {
         let (lo, hi) = (lo as usize, hi as usize);
         let mut g = lo;
@@ -249,6 +268,33 @@ mod tests {
     fn step(x: u64) -> u64 {
         x.wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407)
+    }
+
+    #[test]
+    fn inserting_the_members_of_another_set_in_a_range() {
+        let (mut s, mut of) = (GranuleSet::new(1_000), GranuleSet::new(1_000));
+        let mut x = 4242u64;
+        for _ in 0..300 {
+            x = step(x);
+            of.insert(((x >> 20) % 1_000) as u32);
+            x = step(x);
+            s.insert(((x >> 20) % 1_000) as u32);
+        }
+        for (lo, hi) in [
+            (0, 0),
+            (5, 6),
+            (60, 70),
+            (63, 129),
+            (0, 1_000),
+            (999, 1_000),
+        ] {
+            let mut want: BTreeSet<u32> = s.iter().collect();
+            want.extend(of.range(lo, hi));
+            s.insert_range_of(lo, hi, &of);
+            assert_eq!(s.iter().collect::<BTreeSet<u32>>(), want, "[{lo}, {hi})");
+            assert_eq!(s.len(), want.len());
+            assert_eq!(s.count_in(0, 1_000) as usize, want.len());
+        }
     }
 
     #[test]

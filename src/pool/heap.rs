@@ -54,8 +54,31 @@ type Cover = smallvec::SmallVec<[(u64, u64, Tag); 4]>;
 #[derive(Debug, Clone, Copy, Default)]
 struct Granule {
     chunk: Option<ChunkHandle>,
-    /// Allocated ranges overlapping this granule.
+    /// Allocated ranges overlapping part of this granule. A granule that
+    /// one allocated range covers whole has no other user and counts 0
+    /// here: taking or freeing a range of many granules updates the idle
+    /// set of its whole granules a word at a time, not granule by granule.
     users: u32,
+}
+
+/// The granules that `[start, start + len)` touches, `first..=last`, and
+/// of those the ones it covers whole, `whole.0..whole.1` (empty if none).
+/// The others, at most the first and the last, it shares.
+#[inline]
+fn granule_span(base: u64, gran: u64, start: u64, len: u64) -> (u32, u32, (u32, u32)) {
+    let (s, e) = (start - base, start + len - base);
+    let (first, last) = ((s / gran) as u32, ((e - 1) / gran) as u32);
+    let lo = first + (s % gran != 0) as u32;
+    let hi = if e % gran == 0 { last + 1 } else { last };
+    (first, last, (lo, hi.max(lo)))
+}
+
+/// The shared granules of a span from [`granule_span`]: none, one or two.
+#[inline]
+fn shared_granules(first: u32, last: u32, whole: (u32, u32)) -> [Option<u32>; 2] {
+    let head = (first < whole.0).then_some(first);
+    let tail = (last >= whole.1 && (last > first || head.is_none())).then_some(last);
+    [head, tail]
 }
 
 // One per heap, never moved on a hot path: boxing the large variant would
@@ -838,27 +861,34 @@ impl Heap {
             base,
             granules,
             idle,
+            mapped,
             ..
         } = &mut self.phys
         else {
             return Ok(());
         };
-        let first = ((start - *base) / self.gran) as u32;
-        let last = ((start + len - 1 - *base) / self.gran) as u32;
-        let mut need = Vec::new();
-        for g in first..=last {
+        let (first, last, whole) = granule_span(*base, self.gran, start, len);
+        for g in shared_granules(first, last, whole).into_iter().flatten() {
             let gr = &mut granules[g as usize];
             gr.users += 1;
             if gr.users == 1 {
                 idle.remove(g);
             }
-            if gr.chunk.is_none() {
-                need.push(g);
-            }
         }
-        if need.is_empty() {
+        if whole.0 < whole.1 {
+            idle.remove_range(whole.0, whole.1);
+        }
+        let backed = if last - first < 4 {
+            (first..=last).all(|g| granules[g as usize].chunk.is_some())
+        } else {
+            mapped.count_in(first, last + 1) == last - first + 1
+        };
+        if backed {
             return Ok(());
         }
+        let need: Vec<u32> = (first..=last)
+            .filter(|&g| granules[g as usize].chunk.is_none())
+            .collect();
         let mut victims = self.stealable(ctx, need.len().saturating_sub(self.spare_len()));
         let reusable = self.spare_len() + victims.len();
         let shortfall = need.len().saturating_sub(reusable);
@@ -870,7 +900,7 @@ impl Heap {
                     for c in created {
                         let _ = self.backend.release_chunk(self.dev, c);
                     }
-                    self.drop_users(first, last);
+                    self.drop_users(start, len);
                     return Err(e);
                 }
             }
@@ -897,7 +927,7 @@ impl Heap {
         };
         if let Err(e) = self.steal_all(&victims, &mut steals) {
             self.unsteal_all(steals);
-            self.drop_users(first, last);
+            self.drop_users(start, len);
             return Err(e);
         }
         // Consecutive granules are mapped as one run: one access grant each.
@@ -932,7 +962,7 @@ impl Heap {
                 self.unsteal_all(steals);
                 // Runs this call already backed stay mapped: they become
                 // idle below and are reused like any other.
-                self.drop_users(first, last);
+                self.drop_users(start, len);
                 return Err(e);
             }
             for (k, st) in from.iter().enumerate() {
@@ -991,16 +1021,29 @@ impl Heap {
         }
     }
 
-    fn drop_users(&mut self, first: u32, last: u32) {
-        let Physical::Vmm { granules, idle, .. } = &mut self.phys else {
+    /// Undoes [`Heap::back`]'s count of users for `[start, start + len)`:
+    /// granules left with no user that hold memory become idle.
+    fn drop_users(&mut self, start: u64, len: u64) {
+        let Physical::Vmm {
+            base,
+            granules,
+            idle,
+            mapped,
+            ..
+        } = &mut self.phys
+        else {
             return;
         };
-        for g in first..=last {
+        let (first, last, whole) = granule_span(*base, self.gran, start, len);
+        for g in shared_granules(first, last, whole).into_iter().flatten() {
             let gr = &mut granules[g as usize];
             gr.users -= 1;
             if gr.users == 0 && gr.chunk.is_some() {
                 idle.insert(g);
             }
+        }
+        if whole.0 < whole.1 {
+            idle.insert_range_of(whole.0, whole.1, mapped);
         }
     }
 
@@ -1380,11 +1423,7 @@ impl Heap {
             })?;
         self.allocated_bytes -= len;
         self.insert_free(addr, len, tag);
-        if let Physical::Vmm { base, .. } = &self.phys {
-            let first = ((addr - *base) / self.gran) as u32;
-            let last = ((addr + len - 1 - *base) / self.gran) as u32;
-            self.drop_users(first, last);
-        }
+        self.drop_users(addr, len);
         Ok(len)
     }
 
@@ -1630,6 +1669,7 @@ impl Heap {
                 len,
                 granules,
                 idle,
+                mapped,
                 ..
             } => {
                 if let (Some(first), Some(last)) = (spans.first(), spans.last()) {
@@ -1648,8 +1688,36 @@ impl Heap {
                         return Err(format!("allocated range {a:#x} is not fully mapped"));
                     }
                 }
+                // Users recounted from the allocated ranges: shared
+                // granules count them, whole ones are covered by one.
+                let mut users = vec![0u32; granules.len()];
+                let mut whole = vec![false; granules.len()];
+                for (&a, al) in self.allocated.iter() {
+                    let (first, last, w) = granule_span(*base, self.gran, a, al.len);
+                    for g in shared_granules(first, last, w).into_iter().flatten() {
+                        users[g as usize] += 1;
+                    }
+                    for g in w.0..w.1 {
+                        whole[g as usize] = true;
+                    }
+                }
                 for (g, gr) in granules.iter().enumerate() {
-                    let is_idle = gr.users == 0 && gr.chunk.is_some();
+                    if gr.users != users[g] || (whole[g] && users[g] != 0) {
+                        return Err(format!(
+                            "granule {g} counts {} users, the allocated ranges say {}{}",
+                            gr.users,
+                            users[g],
+                            if whole[g] {
+                                " (and one covers it whole)"
+                            } else {
+                                ""
+                            }
+                        ));
+                    }
+                    if mapped.contains(g as u32) != gr.chunk.is_some() {
+                        return Err(format!("mapped set wrong for granule {g}"));
+                    }
+                    let is_idle = users[g] == 0 && !whole[g] && gr.chunk.is_some();
                     if is_idle != idle.contains(g as u32) {
                         return Err(format!("idle set wrong for granule {g}"));
                     }
