@@ -61,6 +61,9 @@ struct Granule {
     users: u32,
 }
 
+/// Free ranges of each tag that [`Heap::place`] compares: the shortest few.
+const WIDTH: usize = 8;
+
 /// The granules that `[start, start + len)` touches, `first..=last`, and
 /// of those the ones it covers whole, `whole.0..whole.1` (empty if none).
 /// The others, at most the first and the last, it shares.
@@ -359,7 +362,6 @@ impl Heap {
     /// because a block placed against a used granule shares it. Returns
     /// `(range len, range addr, start)`.
     fn place(&self, slot: Option<u16>, len: u64, align: u64) -> Option<(u64, u64, u64)> {
-        const WIDTH: usize = 8;
         let fits = |r: &(u64, u64)| align_up(r.1, align) + len <= r.1 + r.0;
         // Blocks smaller than a granule go to the high end of a range and
         // larger ones to the low end, so that small blocks collect together
@@ -440,6 +442,59 @@ impl Heap {
         best.map(|b| (b.1, b.2, b.3))
     }
 
+    /// [`Heap::place`]'s choice when it needs no unbacked granule, else
+    /// `None`, found without ranking every candidate: the candidates
+    /// (the [`WIDTH`] shortest fitting ranges of `Clean` and `Dirty(slot)`
+    /// together) are visited in `place`'s order — shortest range first,
+    /// the preferred end before the other — and the first fully backed
+    /// placement is `place`'s too, since nothing later can beat it.
+    fn place_backed(&self, slot: Option<u16>, len: u64, align: u64) -> Option<(u64, u64, u64)> {
+        let fits = move |r: &(u64, u64)| align_up(r.1, align) + len <= r.1 + r.0;
+        let of = |tag: Tag| {
+            self.by_tag
+                .get(&tag)
+                .into_iter()
+                .flat_map(move |set| set.at_least(len).filter(fits))
+                .peekable()
+        };
+        let mut clean = of(Tag::Clean);
+        let mut dirty = match slot {
+            Some(s) => Some(of(Tag::Dirty(s))),
+            None => None,
+        };
+        let high = len < self.gran;
+        let mut seen = false;
+        for _ in 0..WIDTH {
+            let take_dirty = match (clean.peek(), dirty.as_mut().and_then(|d| d.peek())) {
+                (Some(c), Some(d)) => d < c,
+                (None, Some(_)) => true,
+                (Some(_), None) => false,
+                (None, None) => break,
+            };
+            let next = if take_dirty {
+                dirty.as_mut().and_then(Iterator::next)
+            } else {
+                clean.next()
+            };
+            let Some((rlen, raddr)) = next else { break };
+            seen = true;
+            let lo = align_up(raddr, align);
+            let hi = ((raddr + rlen - len) / align * align).max(lo);
+            let (a, b) = if high { (hi, lo) } else { (lo, hi) };
+            for start in [a, b] {
+                if self.unbacked(start, len) == 0 {
+                    return Some((rlen, raddr, start));
+                }
+            }
+        }
+        if seen {
+            return None;
+        }
+        // Only aligned (slab) requests can find no fitting range above.
+        self.place(slot, len, align)
+            .filter(|&(_, _, start)| self.unbacked(start, len) == 0)
+    }
+
     /// Like [`Heap::alloc`], but only where no granule needs physical
     /// memory: no device allocation, no stitching. `None` if no such place.
     pub(crate) fn alloc_backed(
@@ -448,10 +503,7 @@ impl Heap {
         align: u64,
         slot: Option<u16>,
     ) -> Option<Taken> {
-        let (rlen, raddr, start) = self.place(slot, len, align)?;
-        if self.unbacked(start, len) != 0 {
-            return None;
-        }
+        let (rlen, raddr, start) = self.place_backed(slot, len, align)?;
         self.take(
             raddr,
             rlen,
