@@ -458,10 +458,7 @@ impl Heap {
                 .peekable()
         };
         let mut clean = of(Tag::Clean);
-        let mut dirty = match slot {
-            Some(s) => Some(of(Tag::Dirty(s))),
-            None => None,
-        };
+        let mut dirty = slot.map(|s| of(Tag::Dirty(s)));
         let high = len < self.gran;
         let mut seen = false;
         for _ in 0..WIDTH {
