@@ -927,17 +927,20 @@ impl Heap {
         if whole.0 < whole.1 {
             idle.remove_range(whole.0, whole.1);
         }
-        let backed = if last - first < 4 {
-            (first..=last).all(|g| granules[g as usize].chunk.is_some())
+        let unbacked = if last - first < 4 {
+            (first..=last)
+                .filter(|&g| granules[g as usize].chunk.is_none())
+                .count()
         } else {
-            mapped.count_in(first, last + 1) == last - first + 1
+            (last - first + 1 - mapped.count_in(first, last + 1)) as usize
         };
-        if backed {
+        if unbacked == 0 {
             return Ok(());
         }
-        let need: Vec<u32> = (first..=last)
-            .filter(|&g| granules[g as usize].chunk.is_none())
-            .collect();
+        // Sized up front: a stitch of a long block needs hundreds.
+        let mut need = Vec::with_capacity(unbacked);
+        need.extend((first..=last).filter(|&g| granules[g as usize].chunk.is_none()));
+        aliased.reserve(unbacked);
         let mut victims = self.stealable(ctx, need.len().saturating_sub(self.spare_len()));
         let reusable = self.spare_len() + victims.len();
         let shortfall = need.len().saturating_sub(reusable);
