@@ -357,70 +357,44 @@ impl DeviceMemory {
         chunk: u64,
         chunk_offset: u64,
     ) -> Result<()> {
-        let g = self.granularity;
-        let (i0, i1) = ((va - base) / g, (va - base + bytes) / g);
-        let (device, backing, fd) = (self.device, self.backing, self.fd());
+        let env = self.map_env();
         let r = self
             .reservations
             .get_mut(&base)
             .expect("checked by the caller");
-        if (i0..i1).any(|i| r.at(i).is_some()) {
-            return Err(Error::InvalidArgument(format!(
-                "[{va:#x}, +{bytes}) is already mapped"
-            )));
-        }
-        let c = self
-            .chunks
-            .get_mut(&chunk)
-            .filter(|c| !c.released)
-            .ok_or_else(|| Error::InvalidHandle(format!("chunk {chunk} on device {device}")))?;
-        if chunk_offset + bytes > c.len {
-            return Err(Error::InvalidArgument(format!(
-                "chunk {chunk} has {} bytes; cannot map {bytes} at offset {chunk_offset}",
-                c.len
-            )));
-        }
-        if backing == SimBacking::Memory {
-            // SAFETY: [va, va+bytes) lies inside a PROT_NONE reservation we own
-            // and holds no other mapping (checked above), so MAP_FIXED replaces
-            // only our own reservation pages; the file range is inside the memfd.
-            let p = unsafe {
-                libc::mmap(
-                    va as *mut libc::c_void,
-                    bytes as usize,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED | libc::MAP_FIXED,
-                    fd,
-                    (c.file_offset + chunk_offset) as libc::off_t,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                return Err(os_err("cuMemMap(mmap)"));
-            }
-        }
-        c.maps += 1;
-        let m = Mapped {
-            start: va,
-            len: bytes,
+        map_into(
+            env,
+            r,
+            &mut self.chunks,
+            base,
+            va,
+            bytes,
             chunk,
-        };
-        if r.granules.len() < i1 as usize {
-            r.granules.resize(i1 as usize, None);
+            chunk_offset,
+        )
+    }
+
+    fn map_env(&self) -> MapEnv {
+        MapEnv {
+            device: self.device,
+            backing: self.backing,
+            fd: self.fd(),
+            granularity: self.granularity,
         }
-        r.granules[i0 as usize..i1 as usize].fill(Some(m));
-        r.mapped += i1 - i0;
-        Ok(())
     }
 
     /// Maps whole chunks of `gran` bytes at `va`, `va + gran`, ... The
-    /// range is checked once (alignment, one reservation); each chunk is
-    /// then mapped as by [`DeviceMemory::map`]. All or nothing: on an error
-    /// the chunks already mapped are unmapped again.
+    /// range is checked once (alignment, one reservation) and its
+    /// reservation looked up once; each chunk is then mapped as by
+    /// [`DeviceMemory::map`]. All or nothing: on an error the chunks
+    /// already mapped are unmapped again.
     pub(super) fn map_run(&mut self, va: u64, gran: u64, chunks: &[ChunkHandle]) -> Result<()> {
         let base = self.check_map_range(va, gran * chunks.len() as u64, gran, 0)?;
+        let env = self.map_env();
+        let r = self.reservations.get_mut(&base).expect("checked above");
         for (i, &ChunkHandle(c)) in chunks.iter().enumerate() {
             let at = va + i as u64 * gran;
-            if let Err(e) = self.map_checked(base, at, gran, c, 0) {
+            if let Err(e) = map_into(env, r, &mut self.chunks, base, at, gran, c, 0) {
                 if i > 0 {
                     self.unmap(va, i as u64 * gran).expect("mapped just above");
                 }
@@ -599,6 +573,78 @@ impl DeviceMemory {
     pub(super) fn is_backed(&self) -> bool {
         self.backing == SimBacking::Memory
     }
+}
+
+/// What mapping one chunk needs of its device besides the tables.
+#[derive(Clone, Copy)]
+struct MapEnv {
+    device: usize,
+    backing: SimBacking,
+    fd: i32,
+    granularity: u64,
+}
+
+/// Maps `bytes` of `chunk` from `chunk_offset` at `va`, inside reservation
+/// `r` at `base` (alignment and bounds already checked): the mapping table
+/// of `r` and the chunk's map count change only if it succeeds.
+#[allow(clippy::too_many_arguments)]
+fn map_into(
+    env: MapEnv,
+    r: &mut Reservation,
+    chunks: &mut FxHashMap<u64, Chunk>,
+    base: u64,
+    va: u64,
+    bytes: u64,
+    chunk: u64,
+    chunk_offset: u64,
+) -> Result<()> {
+    let g = env.granularity;
+    let (i0, i1) = ((va - base) / g, (va - base + bytes) / g);
+    if (i0..i1).any(|i| r.at(i).is_some()) {
+        return Err(Error::InvalidArgument(format!(
+            "[{va:#x}, +{bytes}) is already mapped"
+        )));
+    }
+    let c = chunks
+        .get_mut(&chunk)
+        .filter(|c| !c.released)
+        .ok_or_else(|| Error::InvalidHandle(format!("chunk {chunk} on device {}", env.device)))?;
+    if chunk_offset + bytes > c.len {
+        return Err(Error::InvalidArgument(format!(
+            "chunk {chunk} has {} bytes; cannot map {bytes} at offset {chunk_offset}",
+            c.len
+        )));
+    }
+    if env.backing == SimBacking::Memory {
+        // SAFETY: [va, va+bytes) lies inside a PROT_NONE reservation we own
+        // and holds no other mapping (checked above), so MAP_FIXED replaces
+        // only our own reservation pages; the file range is inside the memfd.
+        let p = unsafe {
+            libc::mmap(
+                va as *mut libc::c_void,
+                bytes as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                env.fd,
+                (c.file_offset + chunk_offset) as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(os_err("cuMemMap(mmap)"));
+        }
+    }
+    c.maps += 1;
+    let m = Mapped {
+        start: va,
+        len: bytes,
+        chunk,
+    };
+    if r.granules.len() < i1 as usize {
+        r.granules.resize(i1 as usize, None);
+    }
+    r.granules[i0 as usize..i1 as usize].fill(Some(m));
+    r.mapped += i1 - i0;
+    Ok(())
 }
 
 impl Drop for DeviceMemory {
