@@ -453,27 +453,36 @@ impl Heap {
         let of = |tag: Tag| {
             self.by_tag
                 .get(&tag)
-                .into_iter()
-                .flat_map(move |set| set.at_least(len).filter(fits))
-                .peekable()
+                .map(|set| set.at_least(len).filter(fits).peekable())
         };
         let mut clean = of(Tag::Clean);
-        let mut dirty = slot.map(|s| of(Tag::Dirty(s)));
+        let mut dirty = slot.and_then(|s| of(Tag::Dirty(s)));
         let high = len < self.gran;
         let mut seen = false;
+        // Steps past the head just read.
+        fn advance<I: Iterator>(i: &mut Option<I>) {
+            if let Some(i) = i {
+                i.next();
+            }
+        }
         for _ in 0..WIDTH {
-            let take_dirty = match (clean.peek(), dirty.as_mut().and_then(|d| d.peek())) {
-                (Some(c), Some(d)) => d < c,
-                (None, Some(_)) => true,
-                (Some(_), None) => false,
+            let c = clean.as_mut().and_then(|i| i.peek().copied());
+            let d = dirty.as_mut().and_then(|i| i.peek().copied());
+            let (rlen, raddr) = match (c, d) {
+                (Some(c), Some(d)) if d < c => {
+                    advance(&mut dirty);
+                    d
+                }
+                (Some(c), _) => {
+                    advance(&mut clean);
+                    c
+                }
+                (None, Some(d)) => {
+                    advance(&mut dirty);
+                    d
+                }
                 (None, None) => break,
             };
-            let next = if take_dirty {
-                dirty.as_mut().and_then(Iterator::next)
-            } else {
-                clean.next()
-            };
-            let Some((rlen, raddr)) = next else { break };
             seen = true;
             let lo = align_up(raddr, align);
             let hi = ((raddr + rlen - len) / align * align).max(lo);
@@ -814,8 +823,10 @@ impl Heap {
         // A granule backed by an aliased chunk shares physical memory with
         // old uses that only the requesting stream is ordered after: the free
         // rest of that granule is for that stream alone.
-        if let Some(slot) = ctx.slot {
-            for &g in &aliased {
+        if let (Some(slot), Physical::Vmm { base, .. }) = (ctx.slot, &self.phys) {
+            // Only the first and the last granule can have a free rest.
+            let (first, last, _) = granule_span(*base, self.gran, start, len);
+            for &g in aliased.iter().filter(|&&g| g == first || g == last) {
                 self.retag_granule(g, start, len, Tag::Dirty(slot));
             }
         }
