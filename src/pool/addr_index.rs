@@ -235,12 +235,6 @@ impl<T: Copy> AddrIndex<T> {
         self.starts.get(&addr).copied()
     }
 
-    /// The start of the range ending at `end`.
-    #[inline]
-    pub(crate) fn start_of_range_ending_at(&self, end: u64) -> Option<u64> {
-        self.range_ending_at(end).map(|r| r.0)
-    }
-
     /// The range ending at `end`: the last one starting before it, if it
     /// reaches exactly there.
     #[inline]
@@ -346,14 +340,14 @@ mod tests {
             },
         );
         ix.insert(0x1000, Span { len: 0x800, tag: 2 });
-        assert_eq!(ix.start_of_range_ending_at(0x4000), Some(0x3000));
-        assert_eq!(ix.start_of_range_ending_at(0x1800), Some(0x1000));
+        assert_eq!(ix.range_ending_at(0x4000).map(|r| r.0), Some(0x3000));
+        assert_eq!(ix.range_ending_at(0x1800).map(|r| r.0), Some(0x1000));
         assert_eq!(ix.at_or_before(0x2fff).map(|r| r.0), Some(0x1000));
         assert_eq!(ix.at_or_before(0x3000).map(|r| r.0), Some(0x3000));
         assert_eq!(ix.at_or_before(0xfff), None);
         ix.set_len(0x1000, 0x2000);
-        assert_eq!(ix.start_of_range_ending_at(0x1800), None);
-        assert_eq!(ix.start_of_range_ending_at(0x3000), Some(0x1000));
+        assert_eq!(ix.range_ending_at(0x1800).map(|r| r.0), None);
+        assert_eq!(ix.range_ending_at(0x3000).map(|r| r.0), Some(0x1000));
         ix.set_tag(0x3000, 7);
         assert_eq!(
             ix.get(0x3000),
@@ -367,7 +361,7 @@ mod tests {
         assert_eq!(ix.starting_in(0x1001, 0x4000).count(), 1);
         assert!(ix.consistent());
         assert_eq!(ix.remove(0x1000).map(|s| s.len), Some(0x2000));
-        assert_eq!(ix.start_of_range_ending_at(0x3000), None);
+        assert_eq!(ix.range_ending_at(0x3000).map(|r| r.0), None);
         assert_eq!(ix.len(), 1);
         assert!(ix.consistent());
     }

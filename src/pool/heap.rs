@@ -300,10 +300,10 @@ impl Heap {
         }
     }
 
-    /// Inserts a free range and merges it with equal-tag neighbours. Both
-    /// neighbours are found by exact lookups (the one after by its start,
-    /// the one before by its end), and a merge with the range before
-    /// extends that entry in place.
+    /// Inserts a free range and merges it with equal-tag neighbours: the
+    /// one after by an exact lookup of its start, the one before as the
+    /// last start before `addr` (see `addr_index.rs`); a merge with the
+    /// range before extends that entry in place.
     fn insert_free(&mut self, addr: u64, len: u64, tag: Tag) {
         if len == 0 {
             return;
@@ -627,8 +627,7 @@ impl Heap {
         for seed in seeds {
             // The first free, usable range of the neighbourhood.
             let mut lo = seed;
-            while let Some(pa) = self.by_addr.start_of_range_ending_at(lo) {
-                let pr = self.by_addr.get(pa).expect("indexed by its end");
+            while let Some((pa, pr)) = self.by_addr.range_ending_at(lo) {
                 if !ok(pr.tag) || !self.same_segment(pa, lo) {
                     break;
                 }
