@@ -15,6 +15,21 @@ pub(crate) struct GranuleSet {
     len: usize,
 }
 
+/// The words that `[lo, hi)` touches, each with the mask of its bits there.
+fn word_masks(lo: u32, hi: u32) -> impl Iterator<Item = (usize, u64)> {
+    let (mut g, hi) = (lo as usize, hi as usize);
+    std::iter::from_fn(move || {
+        if g >= hi {
+            return None;
+        }
+        let w = g / 64;
+        let end = ((w + 1) * 64).min(hi);
+        let mask = (!0u64).checked_shr(64 - (end - g) as u32).unwrap_or(0) << (g % 64);
+        g = end;
+        Some((w, mask))
+    })
+}
+
 impl GranuleSet {
     /// An empty set for indices below `n`.
     pub(crate) fn new(n: usize) -> GranuleSet {
@@ -62,31 +77,18 @@ impl GranuleSet {
 
     /// Adds every index in `[lo, hi)` that `of` holds (a word at a time).
     pub(crate) fn insert_range_of(&mut self, lo: u32, hi: u32, of: &GranuleSet) {
-        let (lo, hi) = (lo as usize, hi as usize);
-        let mut g = lo;
-        while g < hi {
-            let w = g / 64;
-            let end = ((w + 1) * 64).min(hi);
-            let width = end - g;
-            let mask = (!0u64).checked_shr(64 - width as u32).unwrap_or(0) << (g % 64);
+        for (w, mask) in word_masks(lo, hi) {
             let add = of.words[w] & mask & !self.words[w];
             if add != 0 {
                 self.words[w] |= add;
                 self.len += add.count_ones() as usize;
                 self.summary[w / 64] |= 1 << (w % 64);
             }
-            g = end;
         }
     }
 
     fn update_range(&mut self, lo: u32, hi: u32, set: bool) {
-        let (lo, hi) = (lo as usize, hi as usize);
-        let mut g = lo;
-        while g < hi {
-            let w = g / 64;
-            let end = ((w + 1) * 64).min(hi);
-            let width = end - g;
-            let mask = (!0u64).checked_shr(64 - width as u32).unwrap_or(0) << (g % 64);
+        for (w, mask) in word_masks(lo, hi) {
             let before = self.words[w].count_ones() as usize;
             if set {
                 self.words[w] |= mask;
@@ -100,7 +102,6 @@ impl GranuleSet {
             } else {
                 self.summary[w / 64] |= 1 << (w % 64);
             }
-            g = end;
         }
     }
 

@@ -326,7 +326,18 @@ impl DeviceMemory {
 
     pub(super) fn map(&mut self, va: u64, bytes: u64, chunk: u64, chunk_offset: u64) -> Result<()> {
         let base = self.check_map_range(va, bytes, bytes, chunk_offset)?;
-        self.map_checked(base, va, bytes, chunk, chunk_offset)
+        let env = self.map_env();
+        let r = self.reservations.get_mut(&base).expect("checked above");
+        map_into(
+            env,
+            r,
+            &mut self.chunks,
+            base,
+            va,
+            bytes,
+            chunk,
+            chunk_offset,
+        )
     }
 
     /// Checks a mapping of `bytes` at `va` made of pieces of `piece` bytes
@@ -345,33 +356,6 @@ impl DeviceMemory {
                 self.device
             ))
         })
-    }
-
-    /// [`DeviceMemory::map`] once the range is known to be aligned and
-    /// inside the reservation at `base`.
-    fn map_checked(
-        &mut self,
-        base: u64,
-        va: u64,
-        bytes: u64,
-        chunk: u64,
-        chunk_offset: u64,
-    ) -> Result<()> {
-        let env = self.map_env();
-        let r = self
-            .reservations
-            .get_mut(&base)
-            .expect("checked by the caller");
-        map_into(
-            env,
-            r,
-            &mut self.chunks,
-            base,
-            va,
-            bytes,
-            chunk,
-            chunk_offset,
-        )
     }
 
     fn map_env(&self) -> MapEnv {
