@@ -209,6 +209,38 @@ struct Steals {
     covers: Vec<Cover>,
 }
 
+/// Two best-fit orders of free ranges `(len, addr)` merged into one, at
+/// most `left` more.
+struct BestFitMerge<I: Iterator> {
+    a: Option<std::iter::Peekable<I>>,
+    b: Option<std::iter::Peekable<I>>,
+    left: usize,
+}
+
+impl<I: Iterator<Item = (u64, u64)>> Iterator for BestFitMerge<I> {
+    type Item = (u64, u64);
+
+    // Always inlined: it runs for every candidate of a large placement,
+    // and as a call it cost 3% of random_allocations.
+    #[inline(always)]
+    fn next(&mut self) -> Option<(u64, u64)> {
+        if self.left == 0 {
+            return None;
+        }
+        let a = self.a.as_mut().and_then(|i| i.peek().copied());
+        let b = self.b.as_mut().and_then(|i| i.peek().copied());
+        let from_b = match (a, b) {
+            (Some(a), Some(b)) => b < a,
+            (None, Some(_)) => true,
+            (_, None) => false,
+        };
+        let side = if from_b { &mut self.b } else { &mut self.a };
+        let r = side.as_mut().and_then(Iterator::next)?;
+        self.left -= 1;
+        Some(r)
+    }
+}
+
 impl Heap {
     /// A heap over a fresh reservation of `va_bytes` (VMM) or over segments.
     pub(crate) fn new(backend: Arc<dyn Backend>, dev: usize, va_bytes: u64) -> Result<Heap> {
@@ -362,72 +394,9 @@ impl Heap {
     /// because a block placed against a used granule shares it. Returns
     /// `(range len, range addr, start)`.
     fn place(&self, slot: Option<u16>, len: u64, align: u64) -> Option<(u64, u64, u64)> {
-        let fits = |r: &(u64, u64)| align_up(r.1, align) + len <= r.1 + r.0;
-        // Blocks smaller than a granule go to the high end of a range and
-        // larger ones to the low end, so that small blocks collect together
-        // instead of pinning granules between large ones.
-        let high = len < self.gran;
-        let at = |rlen: u64, raddr: u64| {
-            let lo = align_up(raddr, align);
-            if high {
-                ((raddr + rlen - len) / align * align).max(lo)
-            } else {
-                lo
-            }
-        };
-        // The common case first: the best fit is fully backed, and no other
-        // candidate can beat it, so the wider search below is not needed.
-        let first = |tag: Tag| self.by_tag.get(&tag)?.at_least(len).find(fits);
-        let best_fit = match (first(Tag::Clean), slot.and_then(|s| first(Tag::Dirty(s)))) {
-            (Some(c), Some(d)) => Some(c.min(d)),
-            (c, d) => c.or(d),
-        };
-        if let Some((rlen, raddr)) = best_fit {
-            let start = at(rlen, raddr);
-            if self.unbacked(start, len) == 0 {
-                return Some((rlen, raddr, start));
-            }
-        }
-        // On the stack: this runs for every large allocation that needs
-        // new physical memory.
-        let mut buf = [(0u64, 0u64); 2 * WIDTH];
-        let mut n = 0;
-        let mut gather = |tag: Tag| {
-            if let Some(set) = self.by_tag.get(&tag) {
-                for r in set.at_least(len).filter(fits).take(WIDTH) {
-                    buf[n] = r;
-                    n += 1;
-                }
-            }
-        };
-        gather(Tag::Clean);
-        if let Some(s) = slot {
-            gather(Tag::Dirty(s));
-        }
-        let ranges = &mut buf[..n];
-        if ranges.is_empty() {
-            // Only aligned (slab) requests can miss here: take the first
-            // range large enough to fit at any alignment.
-            let mut any = self.best_in(Tag::Clean, len, align);
-            if let Some(s) = slot {
-                if let Some(d) = self.best_in(Tag::Dirty(s), len, align) {
-                    any = Some(any.map_or(d, |a| a.min(d)));
-                }
-            }
-            return any.map(|(rlen, raddr)| (rlen, raddr, align_up(raddr, align)));
-        }
-        ranges.sort_unstable();
-        let ranges = &ranges[..ranges.len().min(WIDTH)];
         let mut best: Option<(u64, u64, u64, u64)> = None; // (cost, rlen, raddr, start)
-        for &(rlen, raddr) in ranges {
-            let lo = align_up(raddr, align);
-            let hi = (raddr + rlen - len) / align * align;
-            let (a, b) = if high {
-                (hi.max(lo), lo)
-            } else {
-                (lo, hi.max(lo))
-            };
-            for start in [a, b] {
+        for (rlen, raddr) in self.candidates(slot, len, align) {
+            for start in self.ends(rlen, raddr, len, align) {
                 let c = (self.unbacked(start, len), rlen, raddr, start);
                 if best.is_none_or(|b| (c.0, c.1) < (b.0, b.1)) {
                     best = Some(c);
@@ -439,55 +408,21 @@ impl Heap {
                 break;
             }
         }
-        best.map(|b| (b.1, b.2, b.3))
+        match best {
+            Some(b) => Some((b.1, b.2, b.3)),
+            None => self.any_fit(slot, len, align),
+        }
     }
 
     /// [`Heap::place`]'s choice when it needs no unbacked granule, else
-    /// `None`, found without ranking every candidate: the candidates
-    /// (the [`WIDTH`] shortest fitting ranges of `Clean` and `Dirty(slot)`
-    /// together) are visited in `place`'s order — shortest range first,
-    /// the preferred end before the other — and the first fully backed
-    /// placement is `place`'s too, since nothing later can beat it.
+    /// `None`, found without ranking the candidates: they are visited in
+    /// `place`'s order, so the first fully backed placement is `place`'s
+    /// too (nothing later can beat it).
     fn place_backed(&self, slot: Option<u16>, len: u64, align: u64) -> Option<(u64, u64, u64)> {
-        let fits = move |r: &(u64, u64)| align_up(r.1, align) + len <= r.1 + r.0;
-        let of = |tag: Tag| {
-            self.by_tag
-                .get(&tag)
-                .map(|set| set.at_least(len).filter(fits).peekable())
-        };
-        let mut clean = of(Tag::Clean);
-        let mut dirty = slot.and_then(|s| of(Tag::Dirty(s)));
-        let high = len < self.gran;
         let mut seen = false;
-        // Steps past the head just read.
-        fn advance<I: Iterator>(i: &mut Option<I>) {
-            if let Some(i) = i {
-                i.next();
-            }
-        }
-        for _ in 0..WIDTH {
-            let c = clean.as_mut().and_then(|i| i.peek().copied());
-            let d = dirty.as_mut().and_then(|i| i.peek().copied());
-            let (rlen, raddr) = match (c, d) {
-                (Some(c), Some(d)) if d < c => {
-                    advance(&mut dirty);
-                    d
-                }
-                (Some(c), _) => {
-                    advance(&mut clean);
-                    c
-                }
-                (None, Some(d)) => {
-                    advance(&mut dirty);
-                    d
-                }
-                (None, None) => break,
-            };
+        for (rlen, raddr) in self.candidates(slot, len, align) {
             seen = true;
-            let lo = align_up(raddr, align);
-            let hi = ((raddr + rlen - len) / align * align).max(lo);
-            let (a, b) = if high { (hi, lo) } else { (lo, hi) };
-            for start in [a, b] {
+            for start in self.ends(rlen, raddr, len, align) {
                 if self.unbacked(start, len) == 0 {
                     return Some((rlen, raddr, start));
                 }
@@ -496,9 +431,56 @@ impl Heap {
         if seen {
             return None;
         }
-        // Only aligned (slab) requests can find no fitting range above.
-        self.place(slot, len, align)
+        self.any_fit(slot, len, align)
             .filter(|&(_, _, start)| self.unbacked(start, len) == 0)
+    }
+
+    /// The free ranges [`Heap::place`] compares for `len` bytes at `align`:
+    /// the [`WIDTH`] shortest that fit of `Clean` and `Dirty(slot)`
+    /// together, as `(len, addr)` in best-fit order (shortest, then lowest
+    /// address). The two tags' indexes are merged as they are read.
+    fn candidates(
+        &self,
+        slot: Option<u16>,
+        len: u64,
+        align: u64,
+    ) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let fits = move |r: &(u64, u64)| align_up(r.1, align) + len <= r.1 + r.0;
+        let of = |tag: Tag| {
+            self.by_tag
+                .get(&tag)
+                .map(|set| set.at_least(len).filter(fits).peekable())
+        };
+        BestFitMerge {
+            a: of(Tag::Clean),
+            b: slot.and_then(|s| of(Tag::Dirty(s))),
+            left: WIDTH,
+        }
+    }
+
+    /// Where in free range `(rlen, raddr)` a block of `len` bytes at
+    /// `align` may go, preferred end first: blocks smaller than a granule
+    /// go to the high end, so that small blocks collect together instead
+    /// of pinning granules between large ones; larger ones to the low end.
+    fn ends(&self, rlen: u64, raddr: u64, len: u64, align: u64) -> [u64; 2] {
+        let lo = align_up(raddr, align);
+        let hi = ((raddr + rlen - len) / align * align).max(lo);
+        if len < self.gran {
+            [hi, lo]
+        } else {
+            [lo, hi]
+        }
+    }
+
+    /// The first range of `Clean` or `Dirty(slot)` large enough for `len`
+    /// bytes at any alignment, at its aligned start: only aligned (slab)
+    /// requests can find no candidate that fits, and this serves them.
+    fn any_fit(&self, slot: Option<u16>, len: u64, align: u64) -> Option<(u64, u64, u64)> {
+        let mut any = self.best_in(Tag::Clean, len, align);
+        if let Some(d) = slot.and_then(|s| self.best_in(Tag::Dirty(s), len, align)) {
+            any = Some(any.map_or(d, |a| a.min(d)));
+        }
+        any.map(|(rlen, raddr)| (rlen, raddr, align_up(raddr, align)))
     }
 
     /// Like [`Heap::alloc`], but only where no granule needs physical
@@ -691,6 +673,7 @@ impl Heap {
 
     /// Granules of `[start, start+len)` with no physical memory (0 in
     /// segment mode, where free memory is always backed).
+    #[inline]
     fn unbacked(&self, start: u64, len: u64) -> u64 {
         let Physical::Vmm {
             base,
@@ -916,37 +899,18 @@ impl Heap {
     /// (stolen), and only then from the device. All device allocations are
     /// made before anything is stolen, so a shortfall fails cleanly.
     fn back(&mut self, start: u64, len: u64, ctx: StealCtx, aliased: &mut Vec<u32>) -> Result<()> {
-        let Physical::Vmm {
-            base,
-            granules,
-            idle,
-            mapped,
-            ..
-        } = &mut self.phys
-        else {
+        if !matches!(self.phys, Physical::Vmm { .. }) {
             return Ok(());
-        };
-        let (first, last, whole) = granule_span(*base, self.gran, start, len);
-        for g in shared_granules(first, last, whole).into_iter().flatten() {
-            let gr = &mut granules[g as usize];
-            gr.users += 1;
-            if gr.users == 1 {
-                idle.remove(g);
-            }
         }
-        if whole.0 < whole.1 {
-            idle.remove_range(whole.0, whole.1);
-        }
-        let unbacked = if last - first < 4 {
-            (first..=last)
-                .filter(|&g| granules[g as usize].chunk.is_none())
-                .count()
-        } else {
-            (last - first + 1 - mapped.count_in(first, last + 1)) as usize
-        };
+        self.count_users(start, len, true);
+        let unbacked = self.unbacked(start, len) as usize;
         if unbacked == 0 {
             return Ok(());
         }
+        let Physical::Vmm { base, granules, .. } = &self.phys else {
+            unreachable!("VMM checked above")
+        };
+        let (first, last, _) = granule_span(*base, self.gran, start, len);
         // Sized up front: a stitch of a long block needs hundreds.
         let mut need = Vec::with_capacity(unbacked);
         need.extend((first..=last).filter(|&g| granules[g as usize].chunk.is_none()));
@@ -1086,6 +1050,16 @@ impl Heap {
     /// Undoes [`Heap::back`]'s count of users for `[start, start + len)`:
     /// granules left with no user that hold memory become idle.
     fn drop_users(&mut self, start: u64, len: u64) {
+        self.count_users(start, len, false);
+    }
+
+    /// Counts `[start, start + len)` as a user of its granules (`add`) or
+    /// no longer (`!add`), keeping the idle set exact: a granule is idle
+    /// while it holds memory and no allocated range overlaps it. Shared
+    /// granules (at most the first and the last) count their users; the
+    /// ones the range covers whole change a word of the set at a time.
+    #[inline(always)]
+    fn count_users(&mut self, start: u64, len: u64, add: bool) {
         let Physical::Vmm {
             base,
             granules,
@@ -1099,13 +1073,24 @@ impl Heap {
         let (first, last, whole) = granule_span(*base, self.gran, start, len);
         for g in shared_granules(first, last, whole).into_iter().flatten() {
             let gr = &mut granules[g as usize];
-            gr.users -= 1;
-            if gr.users == 0 && gr.chunk.is_some() {
-                idle.insert(g);
+            if add {
+                gr.users += 1;
+                if gr.users == 1 {
+                    idle.remove(g);
+                }
+            } else {
+                gr.users -= 1;
+                if gr.users == 0 && gr.chunk.is_some() {
+                    idle.insert(g);
+                }
             }
         }
         if whole.0 < whole.1 {
-            idle.insert_range_of(whole.0, whole.1, mapped);
+            if add {
+                idle.remove_range(whole.0, whole.1);
+            } else {
+                idle.insert_range_of(whole.0, whole.1, mapped);
+            }
         }
     }
 
