@@ -4,9 +4,8 @@
 use super::arena::{PendingFree, UNIT};
 use super::pass;
 use crate::error::Result;
-use crate::pool::{DevicePool, Kind, Stream};
-use crate::ptr::{DevicePtr, StreamHandle};
-use parking_lot::Mutex;
+use crate::pool::{DevicePool, ExtraStreams, Kind, Stream};
+use crate::ptr::DevicePtr;
 use std::fmt;
 
 /// Where a movable block's memory is.
@@ -29,7 +28,7 @@ pub struct MovableBlock<'a> {
     stream: &'a Stream,
     size: usize,
     place: Place,
-    extra: Mutex<Vec<StreamHandle>>,
+    extra: ExtraStreams,
 }
 
 /// A pinned movable block: its address is valid, and the block stays put,
@@ -81,7 +80,7 @@ impl DevicePool {
             stream,
             size,
             place,
-            extra: Mutex::new(Vec::new()),
+            extra: ExtraStreams::default(),
         })
     }
 }
@@ -107,7 +106,7 @@ impl<'a> MovableBlock<'a> {
     /// enqueued there up to the free. A stream of another device is ignored
     /// with a warning.
     pub fn record_stream(&self, stream: &Stream) {
-        crate::pool::record_extra_stream(self.pool.device(), self.stream, &self.extra, stream);
+        self.extra.record(self.pool.device(), self.stream, stream);
     }
 
     /// Pins the block for work on `stream` and returns its current address.
@@ -184,7 +183,7 @@ impl<'a> MovableBlock<'a> {
 impl Drop for MovableBlock<'_> {
     fn drop(&mut self) {
         let shared = self.pool.shared();
-        let extra = std::mem::take(self.extra.get_mut());
+        let extra = self.extra.take();
         match self.place {
             Place::Fixed { ptr, kind } => {
                 shared.free_block(ptr, kind, self.size as u64, self.stream, &extra)

@@ -44,8 +44,8 @@ mod stats;
 mod stream;
 pub(crate) mod sync;
 
-pub(crate) use block::record_extra_stream;
 pub use block::Block;
+pub(crate) use block::ExtraStreams;
 pub use maintain::MaintainReport;
 pub use size_class::{SizeClasses, ALIGN};
 pub use snapshot::{BlockInfo, BlockState, HistoryAction, HistoryEvent, SegmentInfo, Snapshot};
