@@ -807,8 +807,15 @@ impl Heap {
         // rest of that granule is for that stream alone.
         if let (Some(slot), Physical::Vmm { base, .. }) = (ctx.slot, &self.phys) {
             // Only the first and the last granule can have a free rest.
+            // `aliased` is ascending and inside the span: the first
+            // granule can only be its first entry, the last its last.
             let (first, last, _) = granule_span(*base, self.gran, start, len);
-            for &g in aliased.iter().filter(|&&g| g == first || g == last) {
+            let head = aliased.first().copied().filter(|&g| g == first);
+            let tail = aliased
+                .last()
+                .copied()
+                .filter(|&g| g == last && Some(g) != head);
+            for g in [head, tail].into_iter().flatten() {
                 self.retag_granule(g, start, len, Tag::Dirty(slot));
             }
         }
@@ -956,6 +963,15 @@ impl Heap {
             self.drop_users(start, len);
             return Err(e);
         }
+        // Every granule's chunk, in `need` order: the spare chunks first
+        // (as `take_spare` pops them), then the stolen ones, last stolen
+        // first. Stealing took exactly the rest, so one vector serves
+        // every run as a slice.
+        let from_spare = self.spare_len().min(need.len());
+        let mut chunks = Vec::with_capacity(need.len());
+        chunks.extend((0..from_spare).map_while(|_| self.take_spare()));
+        chunks.extend(steals.stolen.iter().rev().map(|st| st.chunk));
+        debug_assert_eq!(chunks.len(), need.len(), "counted as stealable above");
         // Consecutive granules are mapped as one run: one access grant each.
         let mut i = 0;
         while i < need.len() {
@@ -963,40 +979,29 @@ impl Heap {
             while i + n < need.len() && need[i + n] == need[i] + n as u32 {
                 n += 1;
             }
-            let mut chunks = Vec::with_capacity(n);
-            let mut from = Vec::with_capacity(n);
-            for _ in 0..n {
-                match self.take_spare() {
-                    Some(c) => {
-                        chunks.push(c);
-                        from.push(None);
-                    }
-                    None => {
-                        let st = steals.stolen.pop().expect("counted as stealable above");
-                        chunks.push(st.chunk);
-                        from.push(Some(st));
-                    }
-                }
-            }
-            if let Err(e) = self.map_run_at(need[i], &chunks) {
-                for (c, st) in chunks.into_iter().zip(from) {
-                    match st {
-                        Some(st) => self.unsteal(st, &steals.covers),
-                        None => self.push_spare(c),
-                    }
-                }
-                self.unsteal_all(steals);
+            if let Err(e) = self.map_run_at(need[i], &chunks[i..i + n]) {
                 // Runs this call already backed stay mapped: they become
-                // idle below and are reused like any other.
+                // idle below and are reused like any other. The chunks of
+                // the others go back where they came from: spare ones to
+                // the spare list (in the order they were popped from it),
+                // stolen ones to their granules.
+                for &c in chunks[i.min(from_spare)..from_spare].iter().rev() {
+                    self.push_spare(c);
+                }
+                let used = i.saturating_sub(from_spare);
+                steals.stolen.truncate(steals.stolen.len() - used);
+                self.unsteal_all(steals);
                 self.drop_users(start, len);
                 return Err(e);
             }
-            for (k, st) in from.iter().enumerate() {
-                if st.as_ref().is_some_and(|st| st.run.is_some()) {
-                    aliased.push(need[i] + k as u32);
-                }
-            }
             i += n;
+        }
+        // Granules backed by an aliased chunk, ascending (as `need`).
+        let stolen = steals.stolen.iter().rev();
+        for (&g, st) in need[from_spare..].iter().zip(stolen) {
+            if st.run.is_some() {
+                aliased.push(g);
+            }
         }
         Ok(())
     }
@@ -1346,8 +1351,16 @@ impl Heap {
             return;
         };
         let base = *base;
-        let mut sorted = gs.to_vec();
-        sorted.sort_unstable();
+        // Stitching quarantines granules in ascending order, so the list
+        // is nearly always sorted already: copy and sort only if not.
+        let mut copy = Vec::new();
+        let sorted = if gs.is_sorted() {
+            gs
+        } else {
+            copy.extend_from_slice(gs);
+            copy.sort_unstable();
+            &copy[..]
+        };
         let mut i = 0;
         while i < sorted.len() {
             let mut n = 1;

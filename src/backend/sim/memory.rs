@@ -432,21 +432,24 @@ impl DeviceMemory {
             }
         }
         let (i0, i1) = ((va - base) / g, (va - base + bytes) / g);
-        let mut unmapped: smallvec::SmallVec<[u64; 64]> = smallvec::SmallVec::new();
+        // One walk over the mappings drops each chunk's map count; only
+        // chunks left released and unmapped (rare: a trim mid-run) wait
+        // for `drop_chunk`, which needs all of `self`.
+        let mut dead: smallvec::SmallVec<[u64; 4]> = smallvec::SmallVec::new();
         let mut i = i0;
         while i < i1 {
             let m = r.at(i).expect("checked above");
-            unmapped.push(m.chunk);
+            let c = self.chunks.get_mut(&m.chunk).expect("mapped chunk exists");
+            c.maps -= 1;
+            if c.maps == 0 && c.released {
+                dead.push(m.chunk);
+            }
             i += m.len / g;
         }
         r.granules[i0 as usize..i1 as usize].fill(None);
         r.mapped -= i1 - i0;
-        for &id in &unmapped {
-            let c = self.chunks.get_mut(&id).expect("mapped chunk exists");
-            c.maps -= 1;
-            if c.maps == 0 && c.released {
-                self.drop_chunk(id);
-            }
+        for id in dead {
+            self.drop_chunk(id);
         }
         Ok(())
     }
