@@ -646,6 +646,41 @@ fn sim_release_while_mapped_frees_after_unmap_as_cuda_does() {
 }
 
 #[test]
+fn sim_a_released_chunk_handle_stays_invalid_after_its_slot_is_reused() {
+    let s = sim();
+    let g = s.config().granularity;
+    let old = s.create_chunk(0, g).unwrap();
+    s.release_chunk(0, old).unwrap();
+    // The simulator's chunk table reuses the freed slot at once: the new
+    // handle differs and the old one must not reach the new chunk.
+    let new = s.create_chunk(0, g).unwrap();
+    assert_ne!(old, new);
+    let va = s.reserve_va(0, 2 * g).unwrap();
+    assert!(matches!(
+        s.map(0, va, g, old, 0),
+        Err(Error::InvalidHandle(_))
+    ));
+    assert!(matches!(
+        s.map_run(0, va, g, &[new, old]),
+        Err(Error::InvalidHandle(_))
+    ));
+    assert!(matches!(
+        s.release_chunk(0, old),
+        Err(Error::InvalidHandle(_))
+    ));
+    // The failed run changed nothing: both granules map afresh.
+    s.map_run(0, va, g, &[new, new]).unwrap();
+    s.unmap(0, va, 2 * g).unwrap();
+    s.release_chunk(0, new).unwrap();
+    assert!(matches!(
+        s.release_chunk(0, new),
+        Err(Error::InvalidHandle(_))
+    ));
+    s.free_va(0, va, 2 * g).unwrap();
+    assert_eq!(s.used_bytes(0), 0);
+}
+
+#[test]
 fn sim_unmaps_only_whole_mappings_and_a_bad_unmap_changes_nothing() {
     let s = sim();
     let g = s.config().granularity;

@@ -15,7 +15,6 @@
 use super::SimBacking;
 use crate::error::{Error, Result};
 use crate::ptr::ChunkHandle;
-use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
@@ -29,6 +28,74 @@ struct Chunk {
     maps: u32,
     /// `cuMemRelease` was called; freed once `maps` reaches zero (CUDA's rule).
     released: bool,
+}
+
+/// The live chunks by handle: a slab indexed by the handle's low 32 bits
+/// (slot + 1, so no handle is 0), with the slot's generation in the high 32
+/// bits. Mapping and unmapping look a chunk up per granule, and an index
+/// costs less than a hash lookup; the generation keeps a stale handle (its
+/// chunk released, its slot reused) invalid, as the driver's is. Fresh
+/// slots start at generation 0, so a device's first handles are 1, 2, ...
+#[derive(Debug, Default)]
+struct ChunkTable {
+    slots: Vec<ChunkSlot>,
+    /// Slots without a chunk, reused last freed first.
+    free: Vec<u32>,
+}
+
+#[derive(Debug)]
+struct ChunkSlot {
+    /// Bumped each time the slot's chunk goes: its old handles go stale.
+    generation: u32,
+    chunk: Option<Chunk>,
+}
+
+impl ChunkTable {
+    /// Stores `c`; its handle.
+    fn insert(&mut self, c: Chunk) -> u64 {
+        let i = match self.free.pop() {
+            Some(i) => i as usize,
+            None => {
+                self.slots.push(ChunkSlot {
+                    generation: 0,
+                    chunk: None,
+                });
+                self.slots.len() - 1
+            }
+        };
+        let slot = &mut self.slots[i];
+        debug_assert!(slot.chunk.is_none());
+        slot.chunk = Some(c);
+        (u64::from(slot.generation) << 32) | (i as u64 + 1)
+    }
+
+    /// The slot of handle `id` if the handle is current.
+    #[inline]
+    fn slot_of(&self, id: u64) -> Option<usize> {
+        let i = (id as u32).checked_sub(1)? as usize;
+        let slot = self.slots.get(i)?;
+        (slot.generation == (id >> 32) as u32 && slot.chunk.is_some()).then_some(i)
+    }
+
+    /// The live chunk of handle `id`.
+    #[inline]
+    fn get_mut(&mut self, id: u64) -> Option<&mut Chunk> {
+        let i = (id as u32).checked_sub(1)? as usize;
+        let slot = self.slots.get_mut(i)?;
+        if slot.generation != (id >> 32) as u32 {
+            return None;
+        }
+        slot.chunk.as_mut()
+    }
+
+    /// Removes the chunk of handle `id`; its handle goes stale.
+    fn remove(&mut self, id: u64) -> Option<Chunk> {
+        let i = self.slot_of(id)?;
+        let slot = &mut self.slots[i];
+        slot.generation = slot.generation.wrapping_add(1);
+        self.free.push(i as u32);
+        slot.chunk.take()
+    }
 }
 
 /// One reserved virtual range and the chunk mappings inside it.
@@ -84,8 +151,7 @@ pub(super) struct DeviceMemory {
     file_free: BTreeMap<u64, u64>,
     /// Bytes of physical memory held (chunks and segments).
     pub(super) used: u64,
-    chunks: FxHashMap<u64, Chunk>,
-    next_chunk: u64,
+    chunks: ChunkTable,
     /// Reservations by base address, each with its mapping table.
     reservations: BTreeMap<u64, Reservation>,
     /// Plain segments: va -> segment.
@@ -129,8 +195,7 @@ impl DeviceMemory {
             file_len: 0,
             file_free: BTreeMap::new(),
             used: 0,
-            chunks: FxHashMap::default(),
-            next_chunk: 1,
+            chunks: ChunkTable::default(),
             reservations: BTreeMap::new(),
             segments: BTreeMap::new(),
             // Distinct, recognisable fake address spaces per device.
@@ -213,17 +278,12 @@ impl DeviceMemory {
     pub(super) fn create_chunk(&mut self, bytes: u64) -> Result<u64> {
         self.check_granule("chunk size", bytes)?;
         let file_offset = self.take_file_range(bytes)?;
-        let id = self.next_chunk;
-        self.next_chunk += 1;
-        self.chunks.insert(
-            id,
-            Chunk {
-                file_offset,
-                len: bytes,
-                maps: 0,
-                released: false,
-            },
-        );
+        let id = self.chunks.insert(Chunk {
+            file_offset,
+            len: bytes,
+            maps: 0,
+            released: false,
+        });
         self.used += bytes;
         Ok(id)
     }
@@ -231,7 +291,7 @@ impl DeviceMemory {
     pub(super) fn release_chunk(&mut self, id: u64) -> Result<()> {
         let c = self
             .chunks
-            .get_mut(&id)
+            .get_mut(id)
             .filter(|c| !c.released)
             .ok_or_else(|| Error::InvalidHandle(format!("chunk {id} on device {}", self.device)))?;
         c.released = true;
@@ -242,7 +302,7 @@ impl DeviceMemory {
     }
 
     fn drop_chunk(&mut self, id: u64) {
-        if let Some(c) = self.chunks.remove(&id) {
+        if let Some(c) = self.chunks.remove(id) {
             self.used -= c.len;
             self.give_file_range(c.file_offset, c.len);
         }
@@ -439,7 +499,7 @@ impl DeviceMemory {
         let mut i = i0;
         while i < i1 {
             let m = r.at(i).expect("checked above");
-            let c = self.chunks.get_mut(&m.chunk).expect("mapped chunk exists");
+            let c = self.chunks.get_mut(m.chunk).expect("mapped chunk exists");
             c.maps -= 1;
             if c.maps == 0 && c.released {
                 dead.push(m.chunk);
@@ -578,7 +638,7 @@ struct MapEnv {
 fn map_into(
     env: MapEnv,
     r: &mut Reservation,
-    chunks: &mut FxHashMap<u64, Chunk>,
+    chunks: &mut ChunkTable,
     base: u64,
     va: u64,
     bytes: u64,
@@ -593,7 +653,7 @@ fn map_into(
         )));
     }
     let c = chunks
-        .get_mut(&chunk)
+        .get_mut(chunk)
         .filter(|c| !c.released)
         .ok_or_else(|| Error::InvalidHandle(format!("chunk {chunk} on device {}", env.device)))?;
     if chunk_offset + bytes > c.len {
