@@ -388,16 +388,18 @@ impl DeviceMemory {
         let base = self.check_map_range(va, bytes, bytes, chunk_offset)?;
         let env = self.map_env();
         let r = self.reservations.get_mut(&base).expect("checked above");
-        map_into(
-            env,
-            r,
-            &mut self.chunks,
-            base,
-            va,
-            bytes,
-            chunk,
-            chunk_offset,
-        )
+        let g = env.granularity;
+        let (i0, i1) = (
+            ((va - base) / g) as usize,
+            ((va - base + bytes) / g) as usize,
+        );
+        if r.granules.len() < i1 {
+            r.granules.resize(i1, None);
+        }
+        let slots = &mut r.granules[i0..i1];
+        map_into(env, slots, &mut self.chunks, va, bytes, chunk, chunk_offset)?;
+        r.mapped += (i1 - i0) as u64;
+        Ok(())
     }
 
     /// Checks a mapping of `bytes` at `va` made of pieces of `piece` bytes
@@ -436,15 +438,25 @@ impl DeviceMemory {
         let base = self.check_map_range(va, gran * chunks.len() as u64, gran, 0)?;
         let env = self.map_env();
         let r = self.reservations.get_mut(&base).expect("checked above");
-        for (i, &ChunkHandle(c)) in chunks.iter().enumerate() {
+        // One division and one table growth for the run, not per chunk.
+        let per = (gran / env.granularity) as usize;
+        let i0 = ((va - base) / env.granularity) as usize;
+        let i1 = i0 + per * chunks.len();
+        if r.granules.len() < i1 {
+            r.granules.resize(i1, None);
+        }
+        let slots = r.granules[i0..i1].chunks_exact_mut(per);
+        for (i, (&ChunkHandle(c), slots)) in chunks.iter().zip(slots).enumerate() {
             let at = va + i as u64 * gran;
-            if let Err(e) = map_into(env, r, &mut self.chunks, base, at, gran, c, 0) {
+            if let Err(e) = map_into(env, slots, &mut self.chunks, at, gran, c, 0) {
+                r.mapped += (i * per) as u64;
                 if i > 0 {
                     self.unmap(va, i as u64 * gran).expect("mapped just above");
                 }
                 return Err(e);
             }
         }
+        r.mapped += (i1 - i0) as u64;
         Ok(())
     }
 
@@ -631,23 +643,22 @@ struct MapEnv {
     granularity: u64,
 }
 
-/// Maps `bytes` of `chunk` from `chunk_offset` at `va`, inside reservation
-/// `r` at `base` (alignment and bounds already checked): the mapping table
-/// of `r` and the chunk's map count change only if it succeeds.
-#[allow(clippy::too_many_arguments)]
+/// Maps `bytes` of `chunk` from `chunk_offset` at `va`, whose granules'
+/// entries in its reservation's table are `slots` (alignment and bounds
+/// already checked, the table grown to hold them): the entries and the
+/// chunk's map count change only if it succeeds. Inlined into the run
+/// loop, which calls it per granule of a stitch.
+#[inline(always)]
 fn map_into(
     env: MapEnv,
-    r: &mut Reservation,
+    slots: &mut [Option<Mapped>],
     chunks: &mut ChunkTable,
-    base: u64,
     va: u64,
     bytes: u64,
     chunk: u64,
     chunk_offset: u64,
 ) -> Result<()> {
-    let g = env.granularity;
-    let (i0, i1) = ((va - base) / g, (va - base + bytes) / g);
-    if (i0..i1).any(|i| r.at(i).is_some()) {
+    if slots.iter().any(Option::is_some) {
         return Err(Error::InvalidArgument(format!(
             "[{va:#x}, +{bytes}) is already mapped"
         )));
@@ -681,16 +692,11 @@ fn map_into(
         }
     }
     c.maps += 1;
-    let m = Mapped {
+    slots.fill(Some(Mapped {
         start: va,
         len: bytes,
         chunk,
-    };
-    if r.granules.len() < i1 as usize {
-        r.granules.resize(i1 as usize, None);
-    }
-    r.granules[i0 as usize..i1 as usize].fill(Some(m));
-    r.mapped += i1 - i0;
+    }));
     Ok(())
 }
 
