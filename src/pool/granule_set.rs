@@ -168,9 +168,28 @@ impl GranuleSet {
         })
     }
 
+    /// How many consecutive members start at `g`, counting none at or
+    /// above `hi`: a word at a time, for walking runs of members.
+    #[inline]
+    pub(crate) fn run_len(&self, g: u32, hi: u32) -> u32 {
+        let hi = (hi as usize).min(self.words.len() * 64);
+        let mut at = g as usize;
+        while at < hi {
+            let b = at % 64;
+            // Ones of the word from bit `b` up; the zeros shifted in above
+            // bit 63 - b stop the count at the word's end.
+            let ones = (!(self.words[at / 64] >> b)).trailing_zeros() as usize;
+            at += ones;
+            if ones < 64 - b {
+                break;
+            }
+        }
+        (at.min(hi) as u32).saturating_sub(g)
+    }
+
     /// The smallest member at or after `g`.
     #[inline]
-    fn first_at_or_after(&self, g: u64) -> Option<u64> {
+    pub(crate) fn first_at_or_after(&self, g: u64) -> Option<u64> {
         let w = (g / 64) as usize;
         if w >= self.words.len() {
             return None;
@@ -227,6 +246,23 @@ impl GranuleSet {
 mod tests {
     use super::*;
     use std::collections::BTreeSet;
+
+    #[test]
+    fn run_len_counts_consecutive_members_across_words() {
+        let mut s = GranuleSet::new(300);
+        s.insert_range(60, 200);
+        s.insert(201);
+        assert_eq!(s.run_len(60, 300), 140);
+        assert_eq!(s.run_len(63, 300), 137);
+        assert_eq!(s.run_len(64, 128), 64);
+        assert_eq!(s.run_len(100, 150), 50);
+        assert_eq!(s.run_len(199, 300), 1);
+        assert_eq!(s.run_len(200, 300), 0);
+        assert_eq!(s.run_len(201, 300), 1);
+        assert_eq!(s.run_len(59, 300), 0);
+        s.insert_range(256, 300);
+        assert_eq!(s.run_len(256, 1000), 44);
+    }
 
     #[test]
     fn matches_an_ordered_set() {

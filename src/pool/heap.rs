@@ -923,7 +923,7 @@ impl Heap {
         need.extend((first..=last).filter(|&g| granules[g as usize].chunk.is_none()));
         aliased.reserve(unbacked);
         let mut victims = self.stealable(ctx, need.len().saturating_sub(self.spare_len()));
-        let reusable = self.spare_len() + victims.len();
+        let reusable = self.spare_len() + victims.iter().map(|v| v.1 as usize).sum::<usize>();
         let shortfall = need.len().saturating_sub(reusable);
         let mut created = Vec::with_capacity(shortfall);
         for _ in 0..shortfall {
@@ -953,9 +953,14 @@ impl Heap {
         }
         // Spare chunks and device allocations now cover all but the victims'
         // share; steal that share in runs of adjacent granules.
-        victims.truncate(need.len().saturating_sub(self.spare_len()));
+        let mut keep = need.len().saturating_sub(self.spare_len());
+        victims.retain_mut(|v| {
+            v.1 = v.1.min(keep as u32);
+            keep -= v.1 as usize;
+            v.1 > 0
+        });
         let mut steals = Steals {
-            stolen: Vec::with_capacity(victims.len()),
+            stolen: Vec::with_capacity(victims.iter().map(|v| v.1 as usize).sum()),
             covers: Vec::new(),
         };
         if let Err(e) = self.steal_all(&victims, &mut steals) {
@@ -1006,19 +1011,14 @@ impl Heap {
         Ok(())
     }
 
-    /// Steals the chunks of `victims` (idle granules in ascending order,
-    /// each with its steal kind), adjacent granules of one kind together.
-    /// Stops at the first clean granule that cannot be unmapped.
-    fn steal_all(&mut self, victims: &[(u32, bool)], out: &mut Steals) -> Result<()> {
-        let mut i = 0;
-        while i < victims.len() {
-            let (g0, clean) = victims[i];
-            let mut n = 1;
-            while i + n < victims.len() && victims[i + n] == (g0 + n as u32, clean) {
-                n += 1;
-            }
+    /// Steals the chunks of `victims` (runs of idle granules in
+    /// ascending order, each with its steal kind, as from
+    /// [`Heap::stealable`]). Stops at the first clean granule that cannot
+    /// be unmapped.
+    fn steal_all(&mut self, victims: &[(u32, u32, bool)], out: &mut Steals) -> Result<()> {
+        for &(g0, n, clean) in victims {
             if clean {
-                for g in g0..g0 + n as u32 {
+                for g in g0..g0 + n {
                     let Some(chunk) = self.unmap_granule(g) else {
                         return Err(Error::backend(
                             "cuMemUnmap",
@@ -1032,9 +1032,8 @@ impl Heap {
                     });
                 }
             } else {
-                self.steal_aliased_run(g0, n as u32, out);
+                self.steal_aliased_run(g0, n, out);
             }
-            i += n;
         }
         Ok(())
     }
@@ -1189,38 +1188,55 @@ impl Heap {
         (ok && ctx.slot.is_some()).then_some(false)
     }
 
-    /// Counts up to `want` idle granules stealable under `ctx`, ascending.
+    /// Up to `want` idle granules stealable under `ctx`, ascending, as
+    /// runs `(first, count, clean)` of adjacent granules of one kind.
     /// Idle granules mostly come in runs inside one long free range (a
-    /// freed large block): a granule wholly inside the range that covered
-    /// the previous one takes its kind without a lookup.
-    fn stealable(&self, ctx: StealCtx, want: usize) -> Vec<(u32, bool)> {
+    /// freed large block): the granules wholly inside the range that
+    /// covered the previous one take its kind without a lookup, a word of
+    /// the idle set at a time.
+    fn stealable(&self, ctx: StealCtx, want: usize) -> Vec<(u32, u32, bool)> {
         let Physical::Vmm { idle, base, .. } = &self.phys else {
             return Vec::new();
         };
-        let mut out = Vec::with_capacity(want.min(idle.len()));
+        let mut out: Vec<(u32, u32, bool)> = Vec::new();
+        let mut found = 0usize;
         // The last range of the previous cover: (start, end, kind alone).
         let mut last: Option<(u64, u64, Option<bool>)> = None;
-        for g in idle.iter() {
-            if out.len() >= want {
+        let mut next = 0u64;
+        while found < want {
+            let Some(g) = idle.first_at_or_after(next) else {
                 break;
-            }
+            };
+            let g = g as u32;
             let (gs, ge) = (
                 *base + g as u64 * self.gran,
                 *base + (g as u64 + 1) * self.gran,
             );
-            let kind = match last {
-                Some((a, e, k)) if a <= gs && ge <= e => k,
-                _ => {
-                    let Some(cover) = self.granule_cover(g) else {
-                        continue;
-                    };
-                    let &(a, l, t) = cover.last().expect("a cover is never empty");
-                    last = Some((a, a + l, self.kind_of(std::iter::once(t), ctx)));
-                    self.kind_of(cover.iter().map(|p| p.2), ctx)
+            let (kind, n) = match last {
+                Some((a, e, k)) if a <= gs && ge <= e => {
+                    // This granule and the idle ones right after it that
+                    // still lie wholly inside that range.
+                    let end = ((e - *base) / self.gran) as u32;
+                    (k, idle.run_len(g, end).max(1))
                 }
+                _ => match self.granule_cover(g) {
+                    Some(cover) => {
+                        let &(a, l, t) = cover.last().expect("a cover is never empty");
+                        last = Some((a, a + l, self.kind_of(std::iter::once(t), ctx)));
+                        (self.kind_of(cover.iter().map(|p| p.2), ctx), 1)
+                    }
+                    None => (None, 1),
+                },
             };
-            if let Some(k) = kind {
-                out.push((g, k));
+            next = g as u64 + n as u64;
+            let Some(k) = kind else {
+                continue;
+            };
+            let n = n.min((want - found) as u32);
+            found += n as usize;
+            match out.last_mut() {
+                Some((g0, m, c)) if *c == k && *g0 + *m == g => *m += n,
+                _ => out.push((g, n, k)),
             }
         }
         out
