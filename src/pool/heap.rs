@@ -797,23 +797,24 @@ impl Heap {
         // Put the unused head and tail back first, so that idle granules in
         // them can be stolen to back the taken part.
         let r = self.split_free(raddr, rlen, start, len);
-        let mut aliased = Vec::new();
-        if let Err(e) = self.back(start, len, ctx, &mut aliased) {
-            self.insert_free(start, len, r.tag);
-            return Err(e);
-        }
+        let aliased = match self.back(start, len, ctx) {
+            Ok(a) => a,
+            Err(e) => {
+                self.insert_free(start, len, r.tag);
+                return Err(e);
+            }
+        };
         // A granule backed by an aliased chunk shares physical memory with
         // old uses that only the requesting stream is ordered after: the free
         // rest of that granule is for that stream alone.
         if let (Some(slot), Physical::Vmm { base, .. }) = (ctx.slot, &self.phys) {
-            // Only the first and the last granule can have a free rest.
-            // `aliased` is ascending and inside the span: the first
-            // granule can only be its first entry, the last its last.
+            // Only the first and the last granule can have a free rest;
+            // the aliased granules lie inside the span, so the first one is
+            // aliased if it is the lowest aliased, the last if the highest.
             let (first, last, _) = granule_span(*base, self.gran, start, len);
-            let head = aliased.first().copied().filter(|&g| g == first);
+            let head = aliased.map(|a| a.0).filter(|&g| g == first);
             let tail = aliased
-                .last()
-                .copied()
+                .map(|a| a.1)
                 .filter(|&g| g == last && Some(g) != head);
             for g in [head, tail].into_iter().flatten() {
                 self.retag_granule(g, start, len, Tag::Dirty(slot));
@@ -825,7 +826,7 @@ impl Heap {
             Tag::Pending(id) => vec![id],
             _ => Vec::new(),
         };
-        let exclusive = r.tag != Tag::Clean || !aliased.is_empty();
+        let exclusive = r.tag != Tag::Clean || aliased.is_some();
         Ok(Taken {
             addr: start,
             from: r.tag,
@@ -905,14 +906,16 @@ impl Heap {
     /// that has none. Chunks come from the spare list, from idle granules
     /// (stolen), and only then from the device. All device allocations are
     /// made before anything is stolen, so a shortfall fails cleanly.
-    fn back(&mut self, start: u64, len: u64, ctx: StealCtx, aliased: &mut Vec<u32>) -> Result<()> {
+    /// Returns the lowest and the highest granule backed by an aliased
+    /// chunk (see [`Heap::steal_aliased_run`]), if any.
+    fn back(&mut self, start: u64, len: u64, ctx: StealCtx) -> Result<Option<(u32, u32)>> {
         if !matches!(self.phys, Physical::Vmm { .. }) {
-            return Ok(());
+            return Ok(None);
         }
         self.count_users(start, len, true);
         let unbacked = self.unbacked(start, len) as usize;
         if unbacked == 0 {
-            return Ok(());
+            return Ok(None);
         }
         let Physical::Vmm { base, granules, .. } = &self.phys else {
             unreachable!("VMM checked above")
@@ -921,7 +924,6 @@ impl Heap {
         // Sized up front: a stitch of a long block needs hundreds.
         let mut need = Vec::with_capacity(unbacked);
         need.extend((first..=last).filter(|&g| granules[g as usize].chunk.is_none()));
-        aliased.reserve(unbacked);
         let mut victims = self.stealable(ctx, need.len().saturating_sub(self.spare_len()));
         let reusable = self.spare_len() + victims.iter().map(|v| v.1 as usize).sum::<usize>();
         let shortfall = need.len().saturating_sub(reusable);
@@ -1001,14 +1003,16 @@ impl Heap {
             }
             i += n;
         }
-        // Granules backed by an aliased chunk, ascending (as `need`).
-        let stolen = steals.stolen.iter().rev();
-        for (&g, st) in need[from_spare..].iter().zip(stolen) {
-            if st.run.is_some() {
-                aliased.push(g);
-            }
-        }
-        Ok(())
+        // Stolen chunk `k` backs `need[from_spare + stolen.len() - 1 - k]`
+        // (last stolen first): the lowest aliased granule is that of the
+        // last aliased steal, the highest that of the first.
+        let stolen = &steals.stolen;
+        let granule_of = |k: usize| need[from_spare + stolen.len() - 1 - k];
+        let is_aliased = |st: &Stolen| st.run.is_some();
+        Ok(stolen.iter().rposition(is_aliased).map(|lo| {
+            let hi = stolen.iter().position(is_aliased).expect("one is aliased");
+            (granule_of(lo), granule_of(hi))
+        }))
     }
 
     /// Steals the chunks of `victims` (runs of idle granules in
