@@ -423,7 +423,7 @@ impl Heap {
         for (rlen, raddr) in self.candidates(slot, len, align) {
             seen = true;
             for start in self.ends(rlen, raddr, len, align) {
-                if self.unbacked(start, len) == 0 {
+                if self.fully_backed(start, len) {
                     return Some((rlen, raddr, start));
                 }
             }
@@ -432,7 +432,7 @@ impl Heap {
             return None;
         }
         self.any_fit(slot, len, align)
-            .filter(|&(_, _, start)| self.unbacked(start, len) == 0)
+            .filter(|&(_, _, start)| self.fully_backed(start, len))
     }
 
     /// The free ranges [`Heap::place`] compares for `len` bytes at `align`:
@@ -538,7 +538,7 @@ impl Heap {
                 set.at_least(len)
                     .find(|r| align_up(r.1, align) + len <= r.1 + r.0)
             })
-            .filter(|&(_, raddr)| self.unbacked(align_up(raddr, align), len) == 0)
+            .filter(|&(_, raddr)| self.fully_backed(align_up(raddr, align), len))
             .min()?;
         let ctx = StealCtx {
             slot,
@@ -658,7 +658,7 @@ impl Heap {
             }
             covered += (a + r.len).min(start + len).saturating_sub(a.max(start));
         }
-        if covered != len || self.unbacked(start, len) != 0 {
+        if covered != len || !self.fully_backed(start, len) {
             return None;
         }
         self.retag(start, start + len, Tag::Dirty(slot));
@@ -669,6 +669,19 @@ impl Heap {
             pending_ok: false,
         };
         self.take(raddr, rlen, start, len, ctx).ok()
+    }
+
+    /// Whether every granule of `[start, start+len)` has physical memory
+    /// (`unbacked(start, len) == 0`, without counting: always in segment
+    /// mode).
+    #[inline]
+    fn fully_backed(&self, start: u64, len: u64) -> bool {
+        let Physical::Vmm { base, mapped, .. } = &self.phys else {
+            return true;
+        };
+        let first = ((start - base) / self.gran) as u32;
+        let last = ((start + len - 1 - base) / self.gran) as u32;
+        mapped.all_in(first, last + 1)
     }
 
     /// Granules of `[start, start+len)` with no physical memory (0 in
