@@ -180,15 +180,31 @@ impl GranuleSet {
     /// above `hi`: a word at a time, for walking runs of members.
     #[inline]
     pub(crate) fn run_len(&self, g: u32, hi: u32) -> u32 {
+        self.span_len(g, hi, true)
+    }
+
+    /// How many consecutive non-members start at `g` (below `hi` and
+    /// below the set's bound).
+    #[inline]
+    pub(crate) fn gap_len(&self, g: u32, hi: u32) -> u32 {
+        self.span_len(g, hi, false)
+    }
+
+    /// How many consecutive indices from `g` below `hi` are members
+    /// (`member`) or are not.
+    #[inline]
+    fn span_len(&self, g: u32, hi: u32, member: bool) -> u32 {
         let hi = (hi as usize).min(self.words.len() * 64);
         let mut at = g as usize;
         while at < hi {
             let b = at % 64;
-            // Ones of the word from bit `b` up; the zeros shifted in above
-            // bit 63 - b stop the count at the word's end.
-            let ones = (!(self.words[at / 64] >> b)).trailing_zeros() as usize;
-            at += ones;
-            if ones < 64 - b {
+            let w = self.words[at / 64];
+            let w = if member { !w } else { w };
+            // Bits of the word from `b` up that continue the span; the
+            // zeros shifted in above bit 63 - b are cut at the word's end.
+            let n = ((w >> b).trailing_zeros() as usize).min(64 - b);
+            at += n;
+            if n < 64 - b {
                 break;
             }
         }
@@ -293,6 +309,12 @@ mod tests {
         assert_eq!(s.run_len(59, 300), 0);
         s.insert_range(256, 300);
         assert_eq!(s.run_len(256, 1000), 44);
+        assert_eq!(s.gap_len(0, 300), 60);
+        assert_eq!(s.gap_len(200, 300), 1);
+        assert_eq!(s.gap_len(202, 300), 54);
+        assert_eq!(s.gap_len(202, 230), 28);
+        assert_eq!(s.gap_len(60, 300), 0);
+        assert_eq!(s.gap_len(299, 1000), 0);
     }
 
     #[test]

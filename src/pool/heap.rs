@@ -930,16 +930,30 @@ impl Heap {
         if unbacked == 0 {
             return Ok(None);
         }
-        let Physical::Vmm { base, granules, .. } = &self.phys else {
+        let Physical::Vmm { base, mapped, .. } = &self.phys else {
             unreachable!("VMM checked above")
         };
         let (first, last, _) = granule_span(*base, self.gran, start, len);
-        // Sized up front: a stitch of a long block needs hundreds.
-        let mut need = Vec::with_capacity(unbacked);
-        need.extend((first..=last).filter(|&g| granules[g as usize].chunk.is_none()));
-        let mut victims = self.stealable(ctx, need.len().saturating_sub(self.spare_len()));
+        // The unbacked granules as runs `(first, count)`, ascending, read
+        // off the mapped set a word at a time. Their granules in order are
+        // "the needed granules": position `p` of that order gets chunk
+        // `p`. (Stealing below takes idle granules only, never these.)
+        let mut runs: smallvec::SmallVec<[(u32, u32); 8]> = smallvec::SmallVec::new();
+        let mut g = first;
+        while g <= last {
+            g += mapped.run_len(g, last + 1);
+            if g > last {
+                break;
+            }
+            let n = mapped.gap_len(g, last + 1);
+            runs.push((g, n));
+            g += n;
+        }
+        let need_len = unbacked;
+        debug_assert_eq!(need_len, runs.iter().map(|r| r.1 as usize).sum::<usize>());
+        let mut victims = self.stealable(ctx, need_len.saturating_sub(self.spare_len()));
         let reusable = self.spare_len() + victims.iter().map(|v| v.1 as usize).sum::<usize>();
-        let shortfall = need.len().saturating_sub(reusable);
+        let shortfall = need_len.saturating_sub(reusable);
         let mut created = Vec::with_capacity(shortfall);
         for _ in 0..shortfall {
             match self.backend.create_chunk(self.dev, self.gran) {
@@ -968,7 +982,7 @@ impl Heap {
         }
         // Spare chunks and device allocations now cover all but the victims'
         // share; steal that share in runs of adjacent granules.
-        let mut keep = need.len().saturating_sub(self.spare_len());
+        let mut keep = need_len.saturating_sub(self.spare_len());
         victims.retain_mut(|v| {
             v.1 = v.1.min(keep as u32);
             keep -= v.1 as usize;
@@ -983,23 +997,20 @@ impl Heap {
             self.drop_users(start, len);
             return Err(e);
         }
-        // Every granule's chunk, in `need` order: the spare chunks first
+        // Every needed granule's chunk, in order: the spare chunks first
         // (as `take_spare` pops them), then the stolen ones, last stolen
         // first. Stealing took exactly the rest, so one vector serves
         // every run as a slice.
-        let from_spare = self.spare_len().min(need.len());
-        let mut chunks = Vec::with_capacity(need.len());
+        let from_spare = self.spare_len().min(need_len);
+        let mut chunks = Vec::with_capacity(need_len);
         chunks.extend((0..from_spare).map_while(|_| self.take_spare()));
         chunks.extend(steals.stolen.iter().rev().map(|st| st.chunk));
-        debug_assert_eq!(chunks.len(), need.len(), "counted as stealable above");
+        debug_assert_eq!(chunks.len(), need_len, "counted as stealable above");
         // Consecutive granules are mapped as one run: one access grant each.
         let mut i = 0;
-        while i < need.len() {
-            let mut n = 1;
-            while i + n < need.len() && need[i + n] == need[i] + n as u32 {
-                n += 1;
-            }
-            if let Err(e) = self.map_run_at(need[i], &chunks[i..i + n]) {
+        for &(g0, n) in &runs {
+            let n = n as usize;
+            if let Err(e) = self.map_run_at(g0, &chunks[i..i + n]) {
                 // Runs this call already backed stay mapped: they become
                 // idle below and are reused like any other. The chunks of
                 // the others go back where they came from: spare ones to
@@ -1016,11 +1027,21 @@ impl Heap {
             }
             i += n;
         }
-        // Stolen chunk `k` backs `need[from_spare + stolen.len() - 1 - k]`
-        // (last stolen first): the lowest aliased granule is that of the
-        // last aliased steal, the highest that of the first.
+        // Stolen chunk `k` backs needed granule `from_spare +
+        // stolen.len() - 1 - k` (last stolen first): the lowest aliased
+        // granule is that of the last aliased steal, the highest that of
+        // the first.
         let stolen = &steals.stolen;
-        let granule_of = |k: usize| need[from_spare + stolen.len() - 1 - k];
+        let granule_of = |k: usize| {
+            let mut p = from_spare + stolen.len() - 1 - k;
+            for &(g0, n) in &runs {
+                if p < n as usize {
+                    return g0 + p as u32;
+                }
+                p -= n as usize;
+            }
+            unreachable!("a needed granule lies in a run")
+        };
         let is_aliased = |st: &Stolen| st.run.is_some();
         Ok(stolen.iter().rposition(is_aliased).map(|lo| {
             let hi = stolen.iter().position(is_aliased).expect("one is aliased");
