@@ -681,6 +681,28 @@ fn sim_a_released_chunk_handle_stays_invalid_after_its_slot_is_reused() {
 }
 
 #[test]
+fn sim_a_bad_unmap_keeps_the_map_counts_of_the_mappings_it_passed() {
+    let s = sim();
+    let g = s.config().granularity;
+    let (c0, c1) = (s.create_chunk(0, g).unwrap(), s.create_chunk(0, g).unwrap());
+    let va = s.reserve_va(0, 4 * g).unwrap();
+    s.map_run(0, va, g, &[c0, c1]).unwrap();
+    // Released while mapped: each is freed when its last mapping goes.
+    s.release_chunk(0, c0).unwrap();
+    s.release_chunk(0, c1).unwrap();
+    // Both mappings are passed before the gap at granule 2 is found.
+    assert!(s.unmap(0, va, 3 * g).is_err(), "a gap after two mappings");
+    assert!(s.unmap(0, va, g + g / 2).is_err(), "would split a mapping");
+    assert_eq!(s.used_bytes(0), 2 * g, "nothing was freed");
+    s.copy_from_host(0, va, &[1u8; 8]).unwrap();
+    s.unmap(0, va, g).unwrap();
+    assert_eq!(s.used_bytes(0), g);
+    s.unmap(0, va.offset(g), g).unwrap();
+    assert_eq!(s.used_bytes(0), 0);
+    s.free_va(0, va, 4 * g).unwrap();
+}
+
+#[test]
 fn sim_unmaps_only_whole_mappings_and_a_bad_unmap_changes_nothing() {
     let s = sim();
     let g = s.config().granularity;

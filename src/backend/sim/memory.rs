@@ -473,20 +473,52 @@ impl DeviceMemory {
             .reservation_of(va, bytes)
             .ok_or_else(|| not_whole(va))?;
         let r = self.reservations.get_mut(&base).expect("found above");
-        // Checked first, removed after: a bad call changes nothing.
-        let mut cursor = va;
-        while cursor < va + bytes {
-            match r.at((cursor - base) / g) {
-                Some(m) if m.start == cursor => cursor += m.len,
-                _ => return Err(not_whole(cursor)),
+        // One walk checks the range granule by granule and drops the map
+        // count of each mapping starting in it; a bad range restores the
+        // counts dropped so far, so a failing call changes nothing. (A
+        // stitch unmaps thousands of granules per pass: one walk, not a
+        // check and then a second walk.) Granule `i` starts at `at`.
+        let end = va + bytes;
+        let i0 = ((va - base) / g) as usize;
+        let i1 = if bytes == 0 {
+            i0
+        } else {
+            ((end - 1 - base) / g) as usize + 1
+        };
+        let chunks = &mut self.chunks;
+        let mut dead: smallvec::SmallVec<[u64; 4]> = smallvec::SmallVec::new();
+        let mut covered = va; // the end of the last mapping begun
+        let mut at = va;
+        let mut failed = None;
+        for i in i0..i1 {
+            match r.granules.get(i).and_then(Option::as_ref) {
+                Some(m) if m.start == at => {
+                    let c = chunks.get_mut(m.chunk).expect("mapped chunk exists");
+                    c.maps -= 1;
+                    if c.maps == 0 && c.released {
+                        dead.push(m.chunk);
+                    }
+                    covered = at + m.len;
+                }
+                // The rest of a mapping begun in the range (the table holds
+                // a mapping in each of its granules).
+                Some(m) if i > i0 && m.start < at => {}
+                _ => {
+                    failed = Some((i, not_whole(at)));
+                    break;
+                }
             }
+            at += g;
         }
-        if cursor != va + bytes {
-            return Err(Error::InvalidArgument(format!(
-                "unmap of [{va:#x}, +{bytes}) would split a mapping"
-            )));
+        if failed.is_none() && covered != end {
+            failed = Some((
+                i1,
+                Error::InvalidArgument(format!(
+                    "unmap of [{va:#x}, +{bytes}) would split a mapping"
+                )),
+            ));
         }
-        if self.backing == SimBacking::Memory {
+        if failed.is_none() && self.backing == SimBacking::Memory {
             // SAFETY: the range is exactly a set of our own mappings inside a
             // reservation; replacing it with PROT_NONE restores the reservation.
             let p = unsafe {
@@ -500,26 +532,22 @@ impl DeviceMemory {
                 )
             };
             if p == libc::MAP_FAILED {
-                return Err(os_err("cuMemUnmap(mmap)"));
+                failed = Some((i1, os_err("cuMemUnmap(mmap)")));
             }
         }
-        let (i0, i1) = ((va - base) / g, (va - base + bytes) / g);
-        // One walk over the mappings drops each chunk's map count; only
-        // chunks left released and unmapped (rare: a trim mid-run) wait
-        // for `drop_chunk`, which needs all of `self`.
-        let mut dead: smallvec::SmallVec<[u64; 4]> = smallvec::SmallVec::new();
-        let mut i = i0;
-        while i < i1 {
-            let m = r.at(i).expect("checked above");
-            let c = self.chunks.get_mut(m.chunk).expect("mapped chunk exists");
-            c.maps -= 1;
-            if c.maps == 0 && c.released {
-                dead.push(m.chunk);
+        if let Some((upto, e)) = failed {
+            // Undo the drops: the mappings begun before granule `upto`.
+            for i in i0..upto {
+                if let Some(m) = &r.granules[i] {
+                    if m.start == base + i as u64 * g {
+                        chunks.get_mut(m.chunk).expect("mapped chunk exists").maps += 1;
+                    }
+                }
             }
-            i += m.len / g;
+            return Err(e);
         }
-        r.granules[i0 as usize..i1 as usize].fill(None);
-        r.mapped -= i1 - i0;
+        r.granules[i0..i1].fill(None);
+        r.mapped -= (i1 - i0) as u64;
         for id in dead {
             self.drop_chunk(id);
         }
