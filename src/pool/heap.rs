@@ -32,6 +32,19 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+/// Granules as runs `(first, count)`: quarantined granules come in runs
+/// (a stitch aliases whole runs of idle granules), handled a run at a time.
+pub(crate) type GranuleRuns = Vec<(u32, u32)>;
+
+/// Appends granules `g0..g0 + n` to `runs`, extending the last run if they
+/// follow it.
+fn push_run(runs: &mut GranuleRuns, g0: u32, n: u32) {
+    match runs.last_mut() {
+        Some((s, m)) if *s + *m == g0 => *m += n,
+        _ => runs.push((g0, n)),
+    }
+}
+
 /// Who may reuse a free range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) enum Tag {
@@ -141,8 +154,8 @@ pub(crate) struct Heap {
     reserved: u64,
     allocated_bytes: u64,
     next_pending: u32,
-    /// Granules quarantined since the last `take_quarantine`.
-    fresh_quarantine: Vec<u32>,
+    /// Granules quarantined since the last `take_quarantine`, as runs.
+    fresh_quarantine: GranuleRuns,
     /// Pending groups whose memory was aliased since the last
     /// `take_steal_waits`: the requesting stream must wait on them.
     fresh_waits: Vec<u32>,
@@ -1325,7 +1338,7 @@ impl Heap {
         mapped.remove_range(g0, g0 + n);
         idle.remove_range(g0, g0 + n);
         quarantine.insert_range(g0, g0 + n);
-        self.fresh_quarantine.extend(g0..g0 + n);
+        push_run(&mut self.fresh_quarantine, g0, n);
         for g in g0..g0 + n {
             let chunk = granules[g as usize]
                 .chunk
@@ -1364,7 +1377,26 @@ impl Heap {
         mapped.insert(st.g);
         idle.insert(st.g);
         quarantine.remove(st.g);
-        self.fresh_quarantine.retain(|&g| g != st.g);
+        // Out of its quarantine run, which may split in two.
+        if let Some(k) = self
+            .fresh_quarantine
+            .iter()
+            .position(|&(s, n)| s <= st.g && st.g < s + n)
+        {
+            let (s, n) = self.fresh_quarantine[k];
+            let (before, after) = (st.g - s, s + n - st.g - 1);
+            match (before, after) {
+                (0, 0) => {
+                    self.fresh_quarantine.remove(k);
+                }
+                (0, _) => self.fresh_quarantine[k] = (st.g + 1, after),
+                (_, 0) => self.fresh_quarantine[k] = (s, before),
+                _ => {
+                    self.fresh_quarantine[k] = (s, before);
+                    self.fresh_quarantine.insert(k + 1, (st.g + 1, after));
+                }
+            }
+        }
         // The granule's free pieces: its run's cover, clipped to it.
         let gs = *base + st.g as u64 * self.gran;
         let ge = gs + self.gran;
@@ -1392,39 +1424,43 @@ impl Heap {
 
     /// Granules aliased since the last call; the caller records one event
     /// on the requesting stream and releases them when it completes.
-    pub(crate) fn take_quarantine(&mut self) -> Vec<u32> {
+    pub(crate) fn take_quarantine(&mut self) -> GranuleRuns {
         std::mem::take(&mut self.fresh_quarantine)
     }
 
-    /// Unmaps quarantined granules whose old uses completed and frees their
+    /// Unmaps quarantined granules (runs, as from
+    /// [`Heap::take_quarantine`]) whose old uses completed and frees their
     /// addresses (clean, with no physical memory behind them).
     /// Adjacent granules become free as one range (one index update per
     /// run, not per granule).
-    pub(crate) fn release_quarantine(&mut self, gs: &[u32]) {
+    pub(crate) fn release_quarantine(&mut self, runs: &[(u32, u32)]) {
         let Physical::Vmm { base, .. } = &self.phys else {
             return;
         };
         let base = *base;
-        // Stitching quarantines granules in ascending order, so the list
-        // is nearly always sorted already: copy and sort only if not.
+        // Stitching quarantines granules in ascending order, so the runs
+        // are nearly always sorted already: copy and sort only if not.
         let mut copy = Vec::new();
-        let sorted = if gs.is_sorted() {
-            gs
+        let sorted = if runs.is_sorted() {
+            runs
         } else {
-            copy.extend_from_slice(gs);
+            copy.extend_from_slice(runs);
             copy.sort_unstable();
             &copy[..]
         };
-        let mut i = 0;
-        while i < sorted.len() {
-            let mut n = 1;
-            while i + n < sorted.len() && sorted[i + n] == sorted[i] + n as u32 {
-                n += 1;
+        let mut k = 0;
+        while k < sorted.len() {
+            // Adjacent runs are released as one.
+            let (g0, mut n) = sorted[k];
+            k += 1;
+            while k < sorted.len() && sorted[k].0 == g0 + n {
+                n += sorted[k].1;
+                k += 1;
             }
             if let Physical::Vmm { quarantine, .. } = &mut self.phys {
-                quarantine.remove_range(sorted[i], sorted[i] + n as u32);
+                quarantine.remove_range(g0, g0 + n);
             }
-            let va = base + sorted[i] as u64 * self.gran;
+            let va = base + g0 as u64 * self.gran;
             if let Err(e) = self
                 .backend
                 .unmap_run(self.dev, DevicePtr(va), self.gran, n as u64)
@@ -1435,7 +1471,6 @@ impl Heap {
                 );
             }
             self.insert_free(va, n as u64 * self.gran, Tag::Clean);
-            i += n;
         }
     }
 
@@ -1855,10 +1890,12 @@ impl Heap {
     /// Gives everything back to the device (pool teardown). Allocated ranges
     /// must be gone.
     pub(crate) fn teardown(&mut self) {
-        let q: Vec<u32> = match &self.phys {
-            Physical::Vmm { quarantine, .. } => quarantine.iter().collect(),
-            Physical::Segments { .. } => Vec::new(),
-        };
+        let mut q = GranuleRuns::new();
+        if let Physical::Vmm { quarantine, .. } = &self.phys {
+            for g in quarantine.iter() {
+                push_run(&mut q, g, 1);
+            }
+        }
         self.release_quarantine(&q);
         let ranges: Vec<(u64, u64)> = self.allocated_ranges().collect();
         for (a, _) in ranges {

@@ -82,7 +82,7 @@ struct HeapState {
     /// Large ranges parked for reuse by size class on their stream.
     exact: exact::ExactCache,
     /// Granules aliased by stitching, released when their event completes.
-    quarantine: Vec<(Waits, Vec<u32>)>,
+    quarantine: Vec<(Waits, heap::GranuleRuns)>,
     /// Bytes of all slabs, and of slab tails no slot covers.
     slab_bytes: u64,
     slab_tail_bytes: u64,
