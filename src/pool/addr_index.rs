@@ -337,6 +337,12 @@ impl<T: Copy> AddrIndex<T> {
 mod tests {
     use super::*;
 
+    /// A bucket of the heap's ranges, with its two inline, is one cache line.
+    #[test]
+    fn a_bucket_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<Bucket<crate::pool::heap::Tag>>(), 64);
+    }
+
     #[test]
     fn lookups_by_start_end_and_order() {
         lookups_by_start_end_and_order_in(AddrIndex::default());
