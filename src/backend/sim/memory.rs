@@ -445,16 +445,36 @@ impl DeviceMemory {
         if r.granules.len() < i1 {
             r.granules.resize(i1, None);
         }
-        let slots = r.granules[i0..i1].chunks_exact_mut(per);
-        for (i, (&ChunkHandle(c), slots)) in chunks.iter().zip(slots).enumerate() {
-            let at = va + i as u64 * gran;
-            if let Err(e) = map_into(env, slots, &mut self.chunks, at, gran, c, 0) {
-                r.mapped += (i * per) as u64;
-                if i > 0 {
-                    self.unmap(va, i as u64 * gran).expect("mapped just above");
-                }
-                return Err(e);
+        let table = &mut self.chunks;
+        let mut map_at = |i: usize, slots: &mut [Option<Mapped>], c: u64| {
+            map_into(env, slots, table, va + i as u64 * gran, gran, c, 0).map_err(|e| (i, e))
+        };
+        let done = if per == 1 {
+            // The usual case, one table entry per chunk: with one-entry
+            // slices the per-chunk step's check and fill are a single load
+            // and store, not loops over a slice of unknown length.
+            let slots = r.granules[i0..i1].iter_mut();
+            chunks
+                .iter()
+                .zip(slots)
+                .enumerate()
+                .try_for_each(|(i, (&ChunkHandle(c), slot))| {
+                    map_at(i, std::slice::from_mut(slot), c)
+                })
+        } else {
+            let slots = r.granules[i0..i1].chunks_exact_mut(per);
+            chunks
+                .iter()
+                .zip(slots)
+                .enumerate()
+                .try_for_each(|(i, (&ChunkHandle(c), slots))| map_at(i, slots, c))
+        };
+        if let Err((i, e)) = done {
+            r.mapped += (i * per) as u64;
+            if i > 0 {
+                self.unmap(va, i as u64 * gran).expect("mapped just above");
             }
+            return Err(e);
         }
         r.mapped += (i1 - i0) as u64;
         Ok(())
