@@ -12,7 +12,6 @@ pub(crate) struct GranuleSet {
     words: Vec<u64>,
     /// Bit `w` set: `words[w]` is not zero.
     summary: Vec<u64>,
-    len: usize,
 }
 
 /// The words that `[lo, hi)` touches, each with the mask of its bits there.
@@ -37,7 +36,6 @@ impl GranuleSet {
         GranuleSet {
             words: vec![0; words],
             summary: vec![0; words.div_ceil(64)],
-            len: 0,
         }
     }
 
@@ -48,7 +46,6 @@ impl GranuleSet {
         let absent = self.words[w] & bit == 0;
         self.words[w] |= bit;
         self.summary[w / 64] |= 1 << (w % 64);
-        self.len += absent as usize;
         absent
     }
 
@@ -61,7 +58,6 @@ impl GranuleSet {
         if self.words[w] == 0 {
             self.summary[w / 64] &= !(1 << (w % 64));
         }
-        self.len -= present as usize;
         present
     }
 
@@ -81,7 +77,6 @@ impl GranuleSet {
             let add = of.words[w] & mask & !self.words[w];
             if add != 0 {
                 self.words[w] |= add;
-                self.len += add.count_ones() as usize;
                 self.summary[w / 64] |= 1 << (w % 64);
             }
         }
@@ -89,13 +84,10 @@ impl GranuleSet {
 
     fn update_range(&mut self, lo: u32, hi: u32, set: bool) {
         for (w, mask) in word_masks(lo, hi) {
-            // One popcount of the bits that change (a popcount is a dozen
-            // instructions on the baseline x86-64 target).
+            // No count to keep (see `len`): no popcount here.
             if set {
-                self.len += (mask & !self.words[w]).count_ones() as usize;
                 self.words[w] |= mask;
             } else {
-                self.len -= (mask & self.words[w]).count_ones() as usize;
                 self.words[w] &= !mask;
             }
             if self.words[w] == 0 {
@@ -114,9 +106,12 @@ impl GranuleSet {
             .is_some_and(|w| w & (1 << (g % 64)) != 0)
     }
 
-    /// Members.
+    /// Members, counted when asked: only out-of-memory reports and tests
+    /// ask, while keeping a count cost a popcount (a dozen instructions on
+    /// the baseline x86-64 target) per changed word of every range update
+    /// on the allocation path.
     pub(crate) fn len(&self) -> usize {
-        self.len
+        self.count_in(0, u32::MAX) as usize
     }
 
     /// How many members lie in `[lo, hi)`: popcounts of the words that
