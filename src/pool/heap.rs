@@ -939,8 +939,9 @@ impl Heap {
             return Ok(None);
         }
         self.count_users(start, len, true);
-        let unbacked = self.unbacked(start, len) as usize;
-        if unbacked == 0 {
+        // Mask compares, no count: most takes are of backed places, and
+        // the runs below give the count of the others.
+        if self.fully_backed(start, len) {
             return Ok(None);
         }
         let Physical::Vmm { base, mapped, .. } = &self.phys else {
@@ -962,8 +963,8 @@ impl Heap {
             runs.push((g, n));
             g += n;
         }
-        let need_len = unbacked;
-        debug_assert_eq!(need_len, runs.iter().map(|r| r.1 as usize).sum::<usize>());
+        let need_len: usize = runs.iter().map(|r| r.1 as usize).sum();
+        debug_assert_eq!(need_len as u64, self.unbacked(start, len));
         let mut victims = self.stealable(ctx, need_len.saturating_sub(self.spare_len()));
         let reusable = self.spare_len() + victims.iter().map(|v| v.1 as usize).sum::<usize>();
         let shortfall = need_len.saturating_sub(reusable);
