@@ -63,10 +63,12 @@ impl<'a> Block<'a> {
 
 impl Drop for Block<'_> {
     fn drop(&mut self) {
-        let extra = self.extra.take();
+        // Read in place, not taken: a block used on no other stream (nearly
+        // every one) then builds and drops no empty list on its free.
+        let extra = self.extra.streams();
         self.pool
             .shared
-            .free_block(self.ptr, self.kind, self.size as u64, self.stream, &extra);
+            .free_block(self.ptr, self.kind, self.size as u64, self.stream, extra);
     }
 }
 
@@ -113,9 +115,14 @@ impl ExtraStreams {
         }
     }
 
-    /// The recorded streams, leaving none (for the free).
+    /// The recorded streams, leaving none (for a free that moves them).
     pub(crate) fn take(&mut self) -> Vec<StreamHandle> {
         self.0.take().map(|m| m.into_inner()).unwrap_or_default()
+    }
+
+    /// The recorded streams (for the free).
+    pub(crate) fn streams(&mut self) -> &[StreamHandle] {
+        self.0.get_mut().map_or(&[], |m| m.get_mut().as_slice())
     }
 }
 
