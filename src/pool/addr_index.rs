@@ -107,6 +107,25 @@ impl<T: Copy> Buckets<T> {
         Some(s)
     }
 
+    /// Removes the range at `a` if `pred` holds for it, with one
+    /// search of its bucket.
+    #[inline]
+    fn remove_if(&mut self, a: u64, pred: impl FnOnce(&Span<T>) -> bool) -> Option<Span<T>> {
+        let (i, Ok(at)) = self.find(a)? else {
+            return None;
+        };
+        let b = &mut self.buckets[i].0;
+        if !pred(&b[at].1) {
+            return None;
+        }
+        let (_, s) = b.remove(at);
+        self.len -= 1;
+        if b.is_empty() {
+            self.nonempty.remove(i as u32);
+        }
+        Some(s)
+    }
+
     #[inline]
     fn get(&self, a: u64) -> Option<Span<T>> {
         let (i, Ok(at)) = self.find(a)? else {
@@ -135,6 +154,20 @@ impl<T: Copy> Buckets<T> {
             .nonempty
             .last_at_or_before((i as u32).checked_sub(1)?)?;
         self.buckets[j as usize].0.last().copied()
+    }
+
+    /// [`Buckets::at_or_before`], for changing the range in place.
+    #[inline]
+    fn at_or_before_mut(&mut self, a: u64) -> Option<&mut (u64, Span<T>)> {
+        let i = self.of(a)?;
+        let k = self.buckets[i].0.partition_point(|e| e.0 <= a);
+        if k > 0 {
+            return Some(&mut self.buckets[i].0[k - 1]);
+        }
+        let j = self
+            .nonempty
+            .last_at_or_before((i as u32).checked_sub(1)?)?;
+        self.buckets[j as usize].0.last_mut()
     }
 
     fn range(&self, lo: u64, hi: u64) -> impl Iterator<Item = (u64, Span<T>)> + '_ {
@@ -242,6 +275,56 @@ impl<T: Copy> AddrIndex<T> {
             }
             Inner::Buckets(b) => b.remove(addr),
         }
+    }
+
+    /// Removes the range starting at `addr` if `pred` holds for it: one
+    /// lookup where a `get` and then a `remove` made two (a free's merge
+    /// with the range after it).
+    #[inline]
+    pub(crate) fn remove_if(
+        &mut self,
+        addr: u64,
+        pred: impl FnOnce(&Span<T>) -> bool,
+    ) -> Option<Span<T>> {
+        match &mut self.inner {
+            Inner::Tree { starts, order } => {
+                if !pred(starts.get(&addr)?) {
+                    return None;
+                }
+                order.remove(&addr);
+                starts.remove(&addr)
+            }
+            Inner::Buckets(b) => b.remove_if(addr, pred),
+        }
+    }
+
+    /// Lengthens by `more` the range ending at `end` if `pred` holds for it
+    /// (`(start, range)`), found and changed in one lookup (a free's merge
+    /// with the range before it); returns its start and old length.
+    #[inline]
+    pub(crate) fn extend_ending_at(
+        &mut self,
+        end: u64,
+        more: u64,
+        pred: impl FnOnce(u64, &Span<T>) -> bool,
+    ) -> Option<(u64, u64)> {
+        let last = end.checked_sub(1)?;
+        let (a, s) = match &mut self.inner {
+            Inner::Tree { starts, order } => {
+                let a = *order.range(..=last).next_back()?;
+                (a, starts.get_mut(&a).expect("ordered starts are indexed"))
+            }
+            Inner::Buckets(b) => {
+                let e = b.at_or_before_mut(last)?;
+                (e.0, &mut e.1)
+            }
+        };
+        if a + s.len != end || !pred(a, s) {
+            return None;
+        }
+        let old = s.len;
+        s.len += more;
+        Some((a, old))
     }
 
     /// The range starting at `addr`.
@@ -411,6 +494,20 @@ mod tests {
         assert_eq!(all, vec![0x1000, 0x3000]);
         assert_eq!(ix.starting_in(0x1001, 0x4000).count(), 1);
         assert!(ix.consistent());
+        // One-lookup merges: a failed test changes nothing.
+        assert_eq!(ix.remove_if(0x3000, |s| s.tag == 1), None);
+        assert_eq!(ix.extend_ending_at(0x3000, 0x10, |_, s| s.tag == 9), None);
+        assert_eq!(ix.extend_ending_at(0x2fff, 0x10, |_, _| true), None);
+        assert_eq!(
+            ix.extend_ending_at(0x3000, 0x10, |a, _| a == 0x1000),
+            Some((0x1000, 0x2000))
+        );
+        assert_eq!(ix.get(0x1000).map(|s| s.len), Some(0x2010));
+        ix.set_len(0x1000, 0x2000);
+        let r = ix.remove_if(0x3000, |s| s.tag == 7);
+        assert_eq!(r.map(|s| s.len), Some(0x1000));
+        assert_eq!(ix.get(0x3000), None);
+        ix.insert(0x3000, r.expect("removed"));
         assert_eq!(ix.remove(0x1000).map(|s| s.len), Some(0x2000));
         assert_eq!(ix.range_ending_at(0x3000).map(|r| r.0), None);
         assert_eq!(ix.len(), 1);

@@ -353,27 +353,24 @@ impl Heap {
         if len == 0 {
             return;
         }
-        let next = self
-            .by_addr
-            .get(addr + len)
-            .filter(|nr| nr.tag == tag && Self::same_segment_in(&self.phys, addr, addr + len))
-            .map(|nr| nr.len);
-        if next.is_some() {
-            self.by_addr.remove(addr + len);
-        }
+        // Each neighbour is looked up once and removed or lengthened where
+        // it was found (a lookup and then a change made two searches).
+        let phys = &self.phys;
+        let next = self.by_addr.remove_if(addr + len, |nr| {
+            nr.tag == tag && Self::same_segment_in(phys, addr, addr + len)
+        });
         let set = self.by_tag.entry(tag).or_default();
         let mut total = len;
-        if let Some(nlen) = next {
-            set.remove(nlen, addr + len);
-            total += nlen;
+        if let Some(nr) = next {
+            set.remove(nr.len, addr + len);
+            total += nr.len;
         }
-        if let Some((pa, pr)) = self.by_addr.range_ending_at(addr) {
-            if pr.tag == tag && Self::same_segment_in(&self.phys, pa, addr) {
-                set.remove(pr.len, pa);
-                set.insert(pr.len + total, pa);
-                self.by_addr.set_len(pa, pr.len + total);
-                return;
-            }
+        let prev = self.by_addr.extend_ending_at(addr, total, |pa, pr| {
+            pr.tag == tag && Self::same_segment_in(phys, pa, addr)
+        });
+        if let Some((pa, plen)) = prev {
+            set.relen(plen, plen + total, pa);
+            return;
         }
         self.by_addr.insert(addr, FreeRange { len: total, tag });
         set.insert(total, addr);
