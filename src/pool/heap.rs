@@ -1574,6 +1574,29 @@ impl Heap {
         Ok(len)
     }
 
+    /// Returns the allocated ranges at `addrs` with `tag`, as
+    /// [`Heap::free`] of each in turn would, in two passes: the allocated
+    /// map and the granules' users, then the free-range indexes. The first
+    /// pass's lookups (each a likely cache miss) are independent of one
+    /// another, and back to back the processor overlaps them; interleaved
+    /// with the merges they waited on each other's misses.
+    pub(crate) fn free_many(&mut self, addrs: &[u64], tag: Tag) {
+        let mut lens = Vec::with_capacity(addrs.len());
+        for &addr in addrs {
+            let len = self
+                .allocated
+                .remove(&addr)
+                .expect("range is allocated")
+                .len;
+            self.allocated_bytes -= len;
+            self.drop_users(addr, len);
+            lens.push(len);
+        }
+        for (&addr, len) in addrs.iter().zip(lens) {
+            self.insert_free(addr, len, tag);
+        }
+    }
+
     /// Retags every `Dirty(slot)` range as a new pending group; returns the
     /// group id and its bytes, or `None` if the slot had nothing dirty.
     pub(crate) fn flush_dirty(&mut self, slot: u16) -> Option<(u32, u64)> {

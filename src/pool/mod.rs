@@ -677,10 +677,7 @@ impl PoolShared {
             return false;
         }
         let HeapState { exact, heap, .. } = h;
-        exact.drain_each(|slot, _, addr| {
-            heap.free(addr, Tag::Dirty(slot))
-                .expect("parked ranges are allocated");
-        });
+        exact.drain_sorted(|slot, ranges| heap.free_many(ranges, Tag::Dirty(slot)));
         true
     }
 
