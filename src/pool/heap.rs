@@ -1574,7 +1574,8 @@ impl Heap {
         Ok(len)
     }
 
-    /// Returns the allocated ranges at `addrs` with `tag`, as
+    /// Returns the allocated ranges at `addrs` (best ascending: see below)
+    /// with `tag`, as
     /// [`Heap::free`] of each in turn would, in two passes: the allocated
     /// map and the granules' users, then the free-range indexes. The first
     /// pass's lookups (each a likely cache miss) are independent of one
@@ -1592,8 +1593,20 @@ impl Heap {
             self.drop_users(addr, len);
             lens.push(len);
         }
-        for (&addr, len) in addrs.iter().zip(lens) {
-            self.insert_free(addr, len, tag);
+        // Ranges that touch (often parked neighbours) go in as one run:
+        // the result is the same merged range, for one merge's index work.
+        let mut i = 0;
+        while i < addrs.len() {
+            let (start, mut end) = (addrs[i], addrs[i] + lens[i]);
+            i += 1;
+            while i < addrs.len()
+                && addrs[i] == end
+                && Self::same_segment_in(&self.phys, start, end)
+            {
+                end += lens[i];
+                i += 1;
+            }
+            self.insert_free(start, end - start, tag);
         }
     }
 
