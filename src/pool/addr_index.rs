@@ -95,16 +95,7 @@ impl<T: Copy> Buckets<T> {
 
     #[inline]
     fn remove(&mut self, a: u64) -> Option<Span<T>> {
-        let (i, Ok(at)) = self.find(a)? else {
-            return None;
-        };
-        let b = &mut self.buckets[i].0;
-        let (_, s) = b.remove(at);
-        self.len -= 1;
-        if b.is_empty() {
-            self.nonempty.remove(i as u32);
-        }
-        Some(s)
+        self.remove_if(a, |_| true)
     }
 
     /// Removes the range at `a` if `pred` holds for it, with one
