@@ -33,6 +33,22 @@ fn wait_for_threads(n: usize) -> Vec<String> {
     }
 }
 
+/// Whether every maintenance thread is gone. A joined thread has exited,
+/// but the kernel may list its task under /proc for a moment longer, so
+/// this polls (for at most 2 s) instead of reading once.
+fn threads_gone() -> bool {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        if maintenance_threads().is_empty() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 fn sim(devices: usize) -> BackendKind {
     BackendKind::Sim(SimConfig {
         devices,
@@ -78,16 +94,13 @@ fn maintenance_threads_start_tick_harvest_and_stop() {
     assert!((5..=60).contains(&ticks), "{ticks} ticks in 50 ms at 1 ms");
     drop((a, b));
     drop(rt);
-    assert!(
-        maintenance_threads().is_empty(),
-        "threads outlived the runtime"
-    );
+    assert!(threads_gone(), "threads outlived the runtime");
 
     // Shutdown stops them too; the counts stay readable.
     let rt = Runtime::builder().backend(sim(2)).build().unwrap();
     assert_eq!(wait_for_threads(2).len(), 2);
     rt.shutdown();
-    assert!(maintenance_threads().is_empty());
+    assert!(threads_gone());
     assert_eq!(rt.maintenance_stats().len(), 2);
     drop(rt);
 

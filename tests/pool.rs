@@ -301,6 +301,10 @@ fn record_stream_holds_memory_back_until_the_other_stream_is_done() {
         let b = dev.alloc(size, &s1).unwrap();
         let p = b.ptr();
         b.record_stream(&s2);
+        b.record_stream(&s2);
+        // A block is no raw pointer: the mistaken free is refused and
+        // leaves the block's recorded stream in place.
+        assert!(dev.free_raw(p, &s1).is_err());
         sim.stall_stream(0, s2.handle(), Duration::from_millis(150))
             .unwrap();
         drop(b);

@@ -477,10 +477,13 @@ fn threads_table(plan: &Plan, max_threads: usize) -> Result<Vec<ThreadsRow>> {
 }
 
 /// An allocator driven by [`random_allocations`].
+/// What `random_allocations` drives. A handle knows its size, as RMM's
+/// loop keeps `{pointer, size}` per live allocation.
 trait RandomTarget {
     type Handle;
     /// `Ok(None)`: out of memory (the step frees instead, as in RMM).
     fn alloc(&mut self, size: u64) -> Result<Option<Self::Handle>>;
+    fn size(h: &Self::Handle) -> u64;
     fn free(&mut self, h: Self::Handle);
 }
 
@@ -498,18 +501,25 @@ impl<'a> RandomTarget for GpupoolTarget<'a> {
             Err(e) => Err(e),
         }
     }
+    fn size(h: &Block<'a>) -> u64 {
+        h.size() as u64
+    }
     fn free(&mut self, h: Block<'a>) {
         drop(h);
     }
 }
 
 impl RandomTarget for &MutexBestFit {
-    type Handle = u64;
-    fn alloc(&mut self, size: u64) -> Result<Option<u64>> {
-        Ok(MutexBestFit::alloc(self, size))
+    /// `(address, size)`, RMM's pair.
+    type Handle = (u64, u64);
+    fn alloc(&mut self, size: u64) -> Result<Option<(u64, u64)>> {
+        Ok(MutexBestFit::alloc(self, size).map(|a| (a, size)))
     }
-    fn free(&mut self, h: u64) {
-        MutexBestFit::free(self, h);
+    fn size(h: &(u64, u64)) -> u64 {
+        h.1
+    }
+    fn free(&mut self, h: (u64, u64)) {
+        MutexBestFit::free(self, h.0);
     }
 }
 
@@ -517,7 +527,7 @@ impl RandomTarget for &MutexBestFit {
 fn random_allocations<T: RandomTarget>(t: &mut T, n: u64, seed: u64) -> Result<(u64, f64)> {
     const ALLOC_PERCENT: u64 = 73;
     let mut rng = Rng::new(seed);
-    let mut live: Vec<(T::Handle, u64)> = Vec::with_capacity(n as usize);
+    let mut live: Vec<T::Handle> = Vec::with_capacity(n as usize);
     let (mut count, mut bytes, mut ops) = (0u64, 0u64, 0u64);
     let start = Instant::now();
     for _ in 0..2 * n {
@@ -527,7 +537,7 @@ fn random_allocations<T: RandomTarget>(t: &mut T, n: u64, seed: u64) -> Result<(
         if do_alloc {
             ops += 1;
             if let Some(h) = t.alloc(size)? {
-                live.push((h, size));
+                live.push(h);
                 count += 1;
                 bytes += size;
                 continue;
@@ -535,13 +545,13 @@ fn random_allocations<T: RandomTarget>(t: &mut T, n: u64, seed: u64) -> Result<(
         }
         if !live.is_empty() {
             let i = rng.below(live.len() as u64) as usize;
-            let (h, s) = live.swap_remove(i);
+            let h = live.swap_remove(i);
+            bytes -= T::size(&h);
             t.free(h);
-            bytes -= s;
             ops += 1;
         }
     }
-    for (h, _) in live.drain(..) {
+    for h in live.drain(..) {
         t.free(h);
         ops += 1;
     }

@@ -4,9 +4,11 @@
 use super::arena::{PendingFree, UNIT};
 use super::pass;
 use crate::error::Result;
-use crate::pool::{DevicePool, ExtraStreams, Kind, Stream};
-use crate::ptr::DevicePtr;
+use crate::pool::{DevicePool, Kind, Stream};
+use crate::ptr::{DevicePtr, StreamHandle};
+use parking_lot::Mutex;
 use std::fmt;
+use std::sync::OnceLock;
 
 /// Where a movable block's memory is.
 #[derive(Debug, Clone, Copy)]
@@ -255,5 +257,40 @@ impl fmt::Debug for Pinned<'_> {
             .field("ptr", &self.ptr)
             .field("stream", &self.stream.handle())
             .finish()
+    }
+}
+
+/// The streams other than its own that used a movable block
+/// (`record_stream`). Rare, so the list is allocated on the first record:
+/// an unused one is two words (a once flag and an empty box). (A plain
+/// [`crate::Block`] keeps its list in the pool's table instead: its
+/// address never changes.)
+#[derive(Default)]
+struct ExtraStreams(OnceLock<Box<Mutex<Vec<StreamHandle>>>>);
+
+impl ExtraStreams {
+    /// Adds `stream` once, unless it is `own`, the block's stream on device
+    /// `dev`; a stream of another device is ignored with a warning (it
+    /// cannot touch this memory).
+    fn record(&self, dev: usize, own: &Stream, stream: &Stream) {
+        if stream.device() != dev {
+            tracing::warn!(
+                "record_stream with a stream of device {} ignored",
+                stream.device()
+            );
+            return;
+        }
+        if stream.handle() == own.handle() {
+            return;
+        }
+        let mut e = self.0.get_or_init(Box::default).lock();
+        if !e.contains(&stream.handle()) {
+            e.push(stream.handle());
+        }
+    }
+
+    /// The recorded streams, leaving none (for a free that moves them).
+    fn take(&mut self) -> Vec<StreamHandle> {
+        self.0.take().map(|m| m.into_inner()).unwrap_or_default()
     }
 }

@@ -2,37 +2,74 @@
 
 use super::{DevicePool, Kind, Stream};
 use crate::ptr::{DevicePtr, StreamHandle};
-use parking_lot::Mutex;
 use std::fmt;
-use std::sync::OnceLock;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering::Release};
 
 /// A live device allocation. Dropping it frees the memory, ordered after
 /// the work enqueued so far on its stream and on every stream passed to
 /// [`Block::record_stream`]; the host never waits.
+///
+/// Four words: the stream (which leads to its pool), the address, the
+/// requested size and one word packing where the memory came from with a
+/// flag for recorded streams. A training step holds thousands of blocks,
+/// and RMM's `random_allocations` keeps tens of thousands in one array,
+/// picked at random: at 32 bytes two blocks share a cache line, where the
+/// 64-byte layout (pool, stream list inline) spread one over two.
 pub struct Block<'a> {
-    pool: &'a DevicePool,
     stream: &'a Stream,
     ptr: DevicePtr,
     size: usize,
-    kind: Kind,
-    extra: ExtraStreams,
+    /// [`Meta`] bits; atomic only so that [`Block::record_stream`] can set
+    /// [`Meta::RECORDED`] through a shared reference.
+    meta: AtomicU64,
+    _pool: PhantomData<&'a DevicePool>,
+}
+
+/// The packed [`Kind`] of a block, with a flag saying whether the pool
+/// holds streams recorded for it.
+struct Meta;
+
+impl Meta {
+    /// The block is a slab slot: class in bits 32..48, slot index below.
+    const SMALL: u64 = 1 << 63;
+    /// [`Block::record_stream`] added streams to the pool's table.
+    const RECORDED: u64 = 1 << 62;
+
+    #[inline]
+    fn pack(kind: Kind) -> u64 {
+        match kind {
+            Kind::Small { idx, class } => Self::SMALL | (class as u64) << 32 | idx as u64,
+            Kind::Large { len } => {
+                debug_assert!(len < Self::RECORDED);
+                len
+            }
+        }
+    }
+
+    #[inline]
+    fn kind(w: u64) -> Kind {
+        if w & Self::SMALL != 0 {
+            Kind::Small {
+                idx: w as u32,
+                class: (w >> 32) as u16,
+            }
+        } else {
+            Kind::Large {
+                len: w & !Self::RECORDED,
+            }
+        }
+    }
 }
 
 impl<'a> Block<'a> {
-    pub(crate) fn new(
-        pool: &'a DevicePool,
-        stream: &'a Stream,
-        ptr: DevicePtr,
-        size: usize,
-        kind: Kind,
-    ) -> Self {
+    pub(crate) fn new(stream: &'a Stream, ptr: DevicePtr, size: usize, kind: Kind) -> Self {
         Block {
-            pool,
             stream,
             ptr,
             size,
-            kind,
-            extra: ExtraStreams::default(),
+            meta: AtomicU64::new(Meta::pack(kind)),
+            _pool: PhantomData,
         }
     }
 
@@ -57,72 +94,53 @@ impl<'a> Block<'a> {
     /// work enqueued on that stream up to the free. A stream of another
     /// device is ignored with a warning (it cannot touch this memory).
     pub fn record_stream(&self, stream: &Stream) {
-        self.extra.record(self.pool.device(), self.stream, stream);
-    }
-}
-
-impl Drop for Block<'_> {
-    fn drop(&mut self) {
-        // Read in place, not taken: a block used on no other stream (nearly
-        // every one) then builds and drops no empty list on its free.
-        let extra = self.extra.streams();
-        self.pool
-            .shared
-            .free_block(self.ptr, self.kind, self.size as u64, self.stream, extra);
-    }
-}
-
-impl fmt::Debug for Block<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Block")
-            .field("device", &self.pool.device())
-            .field("ptr", &self.ptr)
-            .field("size", &self.size)
-            .field("stream", &self.stream.handle())
-            .finish()
-    }
-}
-
-/// The streams other than its own that used a block (`record_stream`).
-///
-/// Rare, so the list is allocated on the first record: an unused one is
-/// two words (a once flag and an empty box). That keeps [`Block`] at 64
-/// bytes instead of 80: a training step holds thousands of blocks, and
-/// RMM's `random_allocations` keeps 10^5 in one array (L2-sized cache
-/// misses per operation there: 3.76 -> 3.50 under cachegrind).
-/// Shared by [`Block`] and `MovableBlock`.
-#[derive(Default)]
-pub(crate) struct ExtraStreams(OnceLock<Box<Mutex<Vec<StreamHandle>>>>);
-
-impl ExtraStreams {
-    /// Adds `stream` once, unless it is `own`, the block's stream on device
-    /// `dev`; a stream of another device is ignored with a warning (it
-    /// cannot touch this memory).
-    pub(crate) fn record(&self, dev: usize, own: &Stream, stream: &Stream) {
-        if stream.device() != dev {
+        if stream.device() != self.stream.device() {
             tracing::warn!(
                 "record_stream with a stream of device {} ignored",
                 stream.device()
             );
             return;
         }
-        if stream.handle() == own.handle() {
+        if stream.handle() == self.stream.handle() {
             return;
         }
-        let mut e = self.0.get_or_init(Box::default).lock();
-        if !e.contains(&stream.handle()) {
-            e.push(stream.handle());
-        }
+        // Rare, so the list lives in the pool's table (shared with raw
+        // pointers), not in every block.
+        self.stream
+            .inner
+            .pool
+            .add_recorded_stream(self.ptr.addr(), stream.handle());
+        self.meta.fetch_or(Meta::RECORDED, Release);
     }
+}
 
-    /// The recorded streams, leaving none (for a free that moves them).
-    pub(crate) fn take(&mut self) -> Vec<StreamHandle> {
-        self.0.take().map(|m| m.into_inner()).unwrap_or_default()
+impl Drop for Block<'_> {
+    fn drop(&mut self) {
+        let w = *self.meta.get_mut();
+        let pool = &self.stream.inner.pool;
+        let extra: Vec<StreamHandle> = if w & Meta::RECORDED != 0 {
+            pool.take_recorded_streams(self.ptr.addr())
+        } else {
+            Vec::new()
+        };
+        pool.free_block(
+            self.ptr,
+            Meta::kind(w),
+            self.size as u64,
+            self.stream,
+            &extra,
+        );
     }
+}
 
-    /// The recorded streams (for the free).
-    pub(crate) fn streams(&mut self) -> &[StreamHandle] {
-        self.0.get_mut().map_or(&[], |m| m.get_mut().as_slice())
+impl fmt::Debug for Block<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Block")
+            .field("device", &self.stream.device())
+            .field("ptr", &self.ptr)
+            .field("size", &self.size)
+            .field("stream", &self.stream.handle())
+            .finish()
     }
 }
 
@@ -131,8 +149,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_unused_stream_list_is_two_words_and_a_block_fits_a_cache_line() {
-        assert_eq!(std::mem::size_of::<ExtraStreams>(), 16);
-        assert!(std::mem::size_of::<Block<'_>>() <= 64);
+    fn a_block_is_four_words() {
+        assert_eq!(std::mem::size_of::<Block<'_>>(), 32);
+    }
+
+    #[test]
+    fn kinds_round_trip_through_the_packed_word() {
+        for kind in [
+            Kind::Small { idx: 0, class: 0 },
+            Kind::Small {
+                idx: u32::MAX,
+                class: u16::MAX,
+            },
+            Kind::Large { len: 256 },
+            Kind::Large { len: 1 << 61 },
+        ] {
+            let w = Meta::pack(kind);
+            assert_eq!(Meta::kind(w), kind);
+            assert_eq!(Meta::kind(w | Meta::RECORDED), kind);
+        }
     }
 }

@@ -45,7 +45,6 @@ mod stream;
 pub(crate) mod sync;
 
 pub use block::Block;
-pub(crate) use block::ExtraStreams;
 pub use maintain::MaintainReport;
 pub use size_class::{SizeClasses, ALIGN};
 pub use snapshot::{BlockInfo, BlockState, HistoryAction, HistoryEvent, SegmentInfo, Snapshot};
@@ -104,8 +103,9 @@ pub(crate) struct PoolShared {
     event_pool: Mutex<Vec<EventHandle>>,
     streams: StreamRegistry,
     counters: Counters,
-    /// Extra streams recorded for raw pointers (`gpupool_record_stream`).
-    raw_streams: Mutex<HashMap<u64, Vec<StreamHandle>>>,
+    /// Extra streams recorded for raw pointers (`gpupool_record_stream`)
+    /// and for blocks ([`Block::record_stream`]), by address.
+    recorded_streams: Mutex<HashMap<u64, Vec<StreamHandle>>>,
     /// Whether alloc and free events are recorded (one relaxed load on the
     /// fast path when off).
     recording: AtomicBool,
@@ -207,7 +207,7 @@ impl DevicePool {
             event_pool: Mutex::new(Vec::new()),
             streams: StreamRegistry::new(),
             counters: Counters::new(),
-            raw_streams: Mutex::new(HashMap::default()),
+            recorded_streams: Mutex::new(HashMap::default()),
             recording: AtomicBool::new(false),
             history: Mutex::new(History::default()),
             shut: AtomicBool::new(false),
@@ -272,7 +272,7 @@ impl DevicePool {
     /// stream-ordered, when dropped.
     pub fn alloc<'a>(&'a self, size: usize, stream: &'a Stream) -> Result<Block<'a>> {
         let (ptr, kind) = self.shared.alloc(size as u64, stream, false)?;
-        Ok(Block::new(self, stream, ptr, size, kind))
+        Ok(Block::new(stream, ptr, size, kind))
     }
 
     /// Allocates for a caller that keeps only the pointer (FFI style);
@@ -987,7 +987,6 @@ impl PoolShared {
         self.check_live()?;
         self.check_stream(stream)?;
         let addr = ptr.addr();
-        let extra = self.take_raw_streams(addr);
         if let Some(id) = self.slab_holding(addr) {
             let Some(slot) = self.slabs.slot_at(id, addr) else {
                 return Err(Error::UnknownPointer {
@@ -1006,6 +1005,8 @@ impl PoolShared {
                 idx: slot.idx,
                 class: slot.class as u16,
             };
+            // Only once the free is valid: a bad one changes nothing.
+            let extra = self.take_recorded_streams(addr);
             self.free_block(ptr, kind, requested, stream, &extra);
             return Ok(());
         }
@@ -1041,16 +1042,29 @@ impl PoolShared {
                     .expect("raw large blocks are allocated"),
             )
         };
+        let extra = self.take_recorded_streams(addr);
         self.free_block(ptr, Kind::Large { len }, requested, stream, &extra);
         Ok(())
     }
 
-    fn take_raw_streams(&self, addr: u64) -> Vec<StreamHandle> {
-        let mut m = self.raw_streams.lock();
+    /// Removes and returns the streams recorded for the allocation at
+    /// `addr` (none if there are none).
+    pub(crate) fn take_recorded_streams(&self, addr: u64) -> Vec<StreamHandle> {
+        let mut m = self.recorded_streams.lock();
         if m.is_empty() {
             return Vec::new();
         }
         m.remove(&addr).unwrap_or_default()
+    }
+
+    /// Records that the allocation at `addr` is used on stream `s` too
+    /// (once per stream).
+    pub(crate) fn add_recorded_stream(&self, addr: u64, s: StreamHandle) {
+        let mut m = self.recorded_streams.lock();
+        let v = m.entry(addr).or_default();
+        if !v.contains(&s) {
+            v.push(s);
+        }
     }
 
     fn raw_size(&self, ptr: DevicePtr) -> Option<u64> {
@@ -1076,11 +1090,7 @@ impl PoolShared {
                 device: self.dev,
             });
         }
-        let mut m = self.raw_streams.lock();
-        let v = m.entry(ptr.addr()).or_default();
-        if !v.contains(&stream.handle()) {
-            v.push(stream.handle());
-        }
+        self.add_recorded_stream(ptr.addr(), stream.handle());
         Ok(())
     }
 
