@@ -147,6 +147,10 @@ pub(crate) struct Heap {
     phys: Physical,
     by_addr: AddrIndex<Tag>,
     by_tag: FxHashMap<Tag, SizeIndex>,
+    /// No request is shorter: the `Clean` and `Dirty` size indexes count
+    /// free ranges under it without storing them (see `size_index.rs`).
+    /// `Pending` ones store every range (harvesting walks them).
+    request_floor: u64,
     /// Allocated ranges: addr -> (len, the caller's owner word). One map
     /// serves both the heap and the pool's record of live large blocks,
     /// so a large allocation or free costs one hash lookup, not two.
@@ -255,8 +259,14 @@ impl<I: Iterator<Item = (u64, u64)>> Iterator for BestFitMerge<I> {
 }
 
 impl Heap {
-    /// A heap over a fresh reservation of `va_bytes` (VMM) or over segments.
-    pub(crate) fn new(backend: Arc<dyn Backend>, dev: usize, va_bytes: u64) -> Result<Heap> {
+    /// A heap over a fresh reservation of `va_bytes` (VMM) or over segments,
+    /// for requests of at least `request_floor` bytes (0: any).
+    pub(crate) fn new(
+        backend: Arc<dyn Backend>,
+        dev: usize,
+        va_bytes: u64,
+        request_floor: u64,
+    ) -> Result<Heap> {
         let info = backend.device_info(dev)?;
         let gran = info.granularity;
         let mut heap = Heap {
@@ -267,6 +277,7 @@ impl Heap {
             },
             by_addr: AddrIndex::default(),
             by_tag: FxHashMap::default(),
+            request_floor,
             allocated: FxHashMap::default(),
             reserved: 0,
             allocated_bytes: 0,
@@ -316,7 +327,39 @@ impl Heap {
 
     fn index_insert(&mut self, addr: u64, r: FreeRange) {
         self.by_addr.insert(addr, r);
-        self.by_tag.entry(r.tag).or_default().insert(r.len, addr);
+        self.size_index(r.tag).insert(r.len, addr);
+    }
+
+    /// The size index of `tag`, made if it has none.
+    #[inline]
+    fn size_index(&mut self, tag: Tag) -> &mut SizeIndex {
+        let floor = match tag {
+            Tag::Pending(_) => 0,
+            Tag::Clean | Tag::Dirty(_) => self.request_floor,
+        };
+        self.by_tag
+            .entry(tag)
+            .or_insert_with(|| SizeIndex::with_floor(floor))
+    }
+
+    /// Removes the size index of `tag` with every range stored in it (the
+    /// unstored ones found by address), for callers that move them all.
+    fn take_size_index(&mut self, tag: Tag) -> Option<SizeIndex> {
+        let mut set = self.by_tag.remove(&tag)?;
+        if set.floor() > 0 {
+            let floor = set.floor();
+            let short = if set.unstored() > 0 {
+                self.by_addr
+                    .iter()
+                    .filter(|(_, r)| r.tag == tag && r.len < floor)
+                    .map(|(a, r)| (r.len, a))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            set.store_all(short);
+        }
+        Some(set)
     }
 
     fn index_remove(&mut self, addr: u64) -> FreeRange {
@@ -359,7 +402,15 @@ impl Heap {
         let next = self.by_addr.remove_if(addr + len, |nr| {
             nr.tag == tag && Self::same_segment_in(phys, addr, addr + len)
         });
-        let set = self.by_tag.entry(tag).or_default();
+        // (Not `size_index`: `phys` is borrowed.)
+        let floor = match tag {
+            Tag::Pending(_) => 0,
+            Tag::Clean | Tag::Dirty(_) => self.request_floor,
+        };
+        let set = self
+            .by_tag
+            .entry(tag)
+            .or_insert_with(|| SizeIndex::with_floor(floor));
         let mut total = len;
         if let Some(nr) = next {
             set.remove(nr.len, addr + len);
@@ -1613,13 +1664,14 @@ impl Heap {
     /// Retags every `Dirty(slot)` range as a new pending group; returns the
     /// group id and its bytes, or `None` if the slot had nothing dirty.
     pub(crate) fn flush_dirty(&mut self, slot: u16) -> Option<(u32, u64)> {
-        let set = self.by_tag.remove(&Tag::Dirty(slot))?;
-        if set.is_empty() {
-            // Emptied dirty sets stay indexed (a busy stream fills them
-            // again); put it back.
-            self.by_tag.insert(Tag::Dirty(slot), set);
+        // Emptied dirty sets stay indexed (a busy stream fills them again).
+        if self.by_tag.get(&Tag::Dirty(slot))?.is_empty() {
             return None;
         }
+        // With every range stored: harvesting walks the group's ranges.
+        let set = self
+            .take_size_index(Tag::Dirty(slot))
+            .expect("looked up above");
         let id = self.next_pending;
         self.next_pending = self.next_pending.wrapping_add(1);
         let bytes = set.bytes();
@@ -1784,6 +1836,43 @@ impl Heap {
         f
     }
 
+    /// Each tag's size index against a recount of the address index: its
+    /// ranges and bytes, the unstored ones (under its floor), and every
+    /// stored range present there with that tag and length.
+    fn check_size_indexes(&self) -> std::result::Result<(), String> {
+        let mut recount: FxHashMap<Tag, (usize, u64, usize)> = FxHashMap::default();
+        for (_, r) in self.by_addr.iter() {
+            let floor = self.by_tag.get(&r.tag).map_or(0, |s| s.floor());
+            let e = recount.entry(r.tag).or_default();
+            e.0 += 1;
+            e.1 += r.len;
+            e.2 += (r.len < floor) as usize;
+        }
+        for (tag, set) in &self.by_tag {
+            let (n, bytes, short) = recount.get(tag).copied().unwrap_or_default();
+            if (set.len(), set.bytes(), set.unstored()) != (n, bytes, short) {
+                return Err(format!(
+                    "{tag:?} size index holds {} ranges ({} unstored, {} bytes); \
+                     the address index {n} ({short} under the floor, {bytes} bytes)",
+                    set.len(),
+                    set.unstored(),
+                    set.bytes()
+                ));
+            }
+            if matches!(tag, Tag::Pending(_)) && set.floor() > 0 {
+                return Err(format!("{tag:?} size index has a floor"));
+            }
+            for (len, addr) in set.at_least(set.floor()) {
+                if self.by_addr.get(addr) != Some(FreeRange { len, tag: *tag }) {
+                    return Err(format!(
+                        "{tag:?} size index holds {addr:#x}+{len}, not free so"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of `[addr, addr+len)` that lie in mapped granules.
     fn mapped_bytes_in(&self, addr: u64, len: u64) -> u64 {
         self.mapped_parts(addr, len).iter().map(|p| p.1).sum()
@@ -1835,6 +1924,7 @@ impl Heap {
                 self.by_addr.len()
             ));
         }
+        self.check_size_indexes()?;
         if self.allocated.values().map(|a| a.len).sum::<u64>() != self.allocated_bytes {
             return Err("allocated byte count drifted".into());
         }
@@ -1942,7 +2032,7 @@ impl Heap {
             .filter(|t| *t != Tag::Clean)
             .collect();
         for t in pend {
-            if let Some(set) = self.by_tag.remove(&t) {
+            if let Some(set) = self.take_size_index(t) {
                 for (_, addr) in set.iter() {
                     let r = self.by_addr.remove(addr).expect("indexed");
                     self.insert_free(addr, r.len, Tag::Clean);

@@ -183,10 +183,14 @@ impl DevicePool {
         let max_slab = gran.max(2 << 20);
         let classes = SizeClasses::new(cfg.small_max.min(max_slab / 8));
         let classes_len = classes.len();
+        // The heap's shortest request: a large block just over the small
+        // classes, or the smallest slab (movable regions are granules).
+        let request_floor = round_large(classes.small_max() + 1).min(small::MIN_SLAB);
         let heap = Heap::new(
             backend.clone(),
             dev,
             info.total_bytes.saturating_mul(cfg.va_factor),
+            request_floor,
         )?;
         let reservation = heap.reservation();
         let shared = Arc::new(PoolShared {
