@@ -245,8 +245,13 @@ fn take_in_class(v: &mut Vec<(u64, u64)>, len: u64) -> Option<(u64, u64)> {
             .min_by_key(|&i| v[i].0);
     }
     // (An emptied list keeps its capacity: the same class comes back at
-    // once in a loop.)
-    Some(v.remove(best?))
+    // once in a loop.) The newest is the usual pick: no shift for it.
+    let i = best?;
+    Some(if i + 1 == v.len() {
+        v.pop().expect("index in range")
+    } else {
+        v.remove(i)
+    })
 }
 
 #[cfg(test)]
