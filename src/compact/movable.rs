@@ -108,7 +108,7 @@ impl<'a> MovableBlock<'a> {
     /// enqueued there up to the free. A stream of another device is ignored
     /// with a warning.
     pub fn record_stream(&self, stream: &Stream) {
-        self.extra.record(self.pool.device(), self.stream, stream);
+        self.extra.record(self.stream, stream);
     }
 
     /// Pins the block for work on `stream` and returns its current address.
@@ -269,18 +269,10 @@ impl fmt::Debug for Pinned<'_> {
 struct ExtraStreams(OnceLock<Box<Mutex<Vec<StreamHandle>>>>);
 
 impl ExtraStreams {
-    /// Adds `stream` once, unless it is `own`, the block's stream on device
-    /// `dev`; a stream of another device is ignored with a warning (it
-    /// cannot touch this memory).
-    fn record(&self, dev: usize, own: &Stream, stream: &Stream) {
-        if stream.device() != dev {
-            tracing::warn!(
-                "record_stream with a stream of device {} ignored",
-                stream.device()
-            );
-            return;
-        }
-        if stream.handle() == own.handle() {
+    /// Adds `stream` once if `own`, the block's stream, [`Stream::records`]
+    /// it.
+    fn record(&self, own: &Stream, stream: &Stream) {
+        if !own.records(stream) {
             return;
         }
         let mut e = self.0.get_or_init(Box::default).lock();

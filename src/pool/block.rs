@@ -94,14 +94,7 @@ impl<'a> Block<'a> {
     /// work enqueued on that stream up to the free. A stream of another
     /// device is ignored with a warning (it cannot touch this memory).
     pub fn record_stream(&self, stream: &Stream) {
-        if stream.device() != self.stream.device() {
-            tracing::warn!(
-                "record_stream with a stream of device {} ignored",
-                stream.device()
-            );
-            return;
-        }
-        if stream.handle() == self.stream.handle() {
+        if !self.stream.records(stream) {
             return;
         }
         // Rare, so the list lives in the pool's table (shared with raw

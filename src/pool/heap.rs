@@ -333,11 +333,23 @@ impl Heap {
     /// The size index of `tag`, made if it has none.
     #[inline]
     fn size_index(&mut self, tag: Tag) -> &mut SizeIndex {
+        Self::size_index_in(&mut self.by_tag, self.request_floor, tag)
+    }
+
+    /// [`Heap::size_index`] over the map alone (for callers that hold other
+    /// fields): `Clean` and `Dirty` indexes get the request floor,
+    /// `Pending` ones none.
+    #[inline]
+    fn size_index_in(
+        by_tag: &mut FxHashMap<Tag, SizeIndex>,
+        request_floor: u64,
+        tag: Tag,
+    ) -> &mut SizeIndex {
         let floor = match tag {
             Tag::Pending(_) => 0,
-            Tag::Clean | Tag::Dirty(_) => self.request_floor,
+            Tag::Clean | Tag::Dirty(_) => request_floor,
         };
-        self.by_tag
+        by_tag
             .entry(tag)
             .or_insert_with(|| SizeIndex::with_floor(floor))
     }
@@ -346,18 +358,17 @@ impl Heap {
     /// unstored ones found by address), for callers that move them all.
     fn take_size_index(&mut self, tag: Tag) -> Option<SizeIndex> {
         let mut set = self.by_tag.remove(&tag)?;
-        if set.floor() > 0 {
-            let floor = set.floor();
-            let short = if set.unstored() > 0 {
-                self.by_addr
-                    .iter()
-                    .filter(|(_, r)| r.tag == tag && r.len < floor)
-                    .map(|(a, r)| (r.len, a))
-                    .collect()
-            } else {
-                Vec::new()
-            };
+        let floor = set.floor();
+        if set.unstored() > 0 {
+            let short: Vec<(u64, u64)> = self
+                .by_addr
+                .iter()
+                .filter(|(_, r)| r.tag == tag && r.len < floor)
+                .map(|(a, r)| (r.len, a))
+                .collect();
             set.store_all(short);
+        } else if floor > 0 {
+            set.store_all([]);
         }
         Some(set)
     }
@@ -402,15 +413,8 @@ impl Heap {
         let next = self.by_addr.remove_if(addr + len, |nr| {
             nr.tag == tag && Self::same_segment_in(phys, addr, addr + len)
         });
-        // (Not `size_index`: `phys` is borrowed.)
-        let floor = match tag {
-            Tag::Pending(_) => 0,
-            Tag::Clean | Tag::Dirty(_) => self.request_floor,
-        };
-        let set = self
-            .by_tag
-            .entry(tag)
-            .or_insert_with(|| SizeIndex::with_floor(floor));
+        // (`phys` is borrowed: the map alone.)
+        let set = Self::size_index_in(&mut self.by_tag, self.request_floor, tag);
         let mut total = len;
         if let Some(nr) = next {
             set.remove(nr.len, addr + len);

@@ -96,6 +96,21 @@ impl Stream {
     pub(crate) fn pool_ptr(&self) -> *const PoolShared {
         Arc::as_ptr(&self.inner.pool)
     }
+
+    /// Whether `other`, passed to `record_stream` of a block of this
+    /// stream, must be waited for: another stream of the same device. A
+    /// stream of another device is ignored with a warning (it cannot touch
+    /// this memory).
+    pub(crate) fn records(&self, other: &Stream) -> bool {
+        if other.device() != self.device() {
+            tracing::warn!(
+                "record_stream with a stream of device {} ignored",
+                other.device()
+            );
+            return false;
+        }
+        other.handle() != self.handle()
+    }
 }
 
 impl fmt::Debug for Stream {
