@@ -180,13 +180,18 @@ mod tests {
 
     #[test]
     fn streams_overlap_with_gpupool_and_serialize_with_the_syncing_baseline() {
-        // The overlap is a timing property of simulated kernels (threads
-        // sleeping 0.5 ms): on 2 loaded cores (the other tests of this
-        // binary run beside it) one measurement can miss it, so up to
-        // three are taken and one must show it. The lower bounds hold in
-        // every measurement.
+        // The overlap and the host's share are timing properties of
+        // simulated kernels (threads sleeping 0.5 ms): on 2 loaded cores
+        // (the other tests of this binary run beside it) one measurement
+        // can miss either, since a preempted thread's time counts as host
+        // time (once: 1.05 ms per operation over a quick run's 20). So up
+        // to three are taken: one must show the overlap, and each row's
+        // best host time must stay under a kernel. The lower bounds hold
+        // in every measurement.
         let k = KERNEL.as_nanos() as f64;
         let mut last = String::new();
+        let mut overlapped = false;
+        let mut best_host: Vec<f64> = Vec::new();
         for _ in 0..3 {
             let rows = table(true).unwrap();
             assert_eq!(rows.len(), 6);
@@ -195,17 +200,30 @@ mod tests {
                 assert!(r.ns_per_op >= k / r.streams as f64 * 0.9, "{r:?}");
                 // Syncing before each free runs one kernel at a time.
                 assert!(r.mutex_best_fit_ns_per_op >= k * 0.95, "{r:?}");
-                assert!(r.host_ns_per_op > 0.0 && r.host_ns_per_op < k, "{r:?}");
+                assert!(r.host_ns_per_op > 0.0, "{r:?}");
             }
+            best_host = if best_host.is_empty() {
+                rows.iter().map(|r| r.host_ns_per_op).collect()
+            } else {
+                best_host
+                    .iter()
+                    .zip(&rows)
+                    .map(|(b, r)| b.min(r.host_ns_per_op))
+                    .collect()
+            };
             let four = rows.iter().find(|r| r.streams == 4 && r.prewarm).unwrap();
             let one = rows.iter().find(|r| r.streams == 1 && r.prewarm).unwrap();
-            if four.ns_per_op < one.ns_per_op * 0.6
-                && four.ns_per_op < four.mutex_best_fit_ns_per_op * 0.6
-            {
+            overlapped |= four.ns_per_op < one.ns_per_op * 0.6
+                && four.ns_per_op < four.mutex_best_fit_ns_per_op * 0.6;
+            last = format!("{four:?} vs {one:?}");
+            if overlapped && best_host.iter().all(|&h| h < k) {
                 return;
             }
-            last = format!("{four:?} vs {one:?}");
         }
+        assert!(
+            best_host.iter().all(|&h| h < k),
+            "the host spent a kernel's time per operation in every measurement: {best_host:?}"
+        );
         panic!("4 streams should overlap kernels (3 measurements); last: {last}");
     }
 }
