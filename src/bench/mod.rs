@@ -115,6 +115,10 @@ pub struct MachineInfo {
     /// The 1-minute load average when the run started (Linux; `null`
     /// elsewhere). Above a fraction of `cores`, other work shared the CPUs.
     pub load_average: Option<f64>,
+    /// The share of all CPUs' time that the hypervisor gave to other
+    /// guests during the run ("steal" in Linux's `/proc/stat`; `null`
+    /// where unreadable). Above a few percent, the figures mean little.
+    pub steal_share: Option<f64>,
 }
 
 /// Median nanoseconds of one alloc + free pair, single thread.
@@ -367,6 +371,26 @@ fn load_average() -> Option<f64> {
         .next()?
         .parse()
         .ok()
+}
+
+/// All CPUs' `(steal, total)` time in ticks so far (Linux), if readable.
+fn cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().next()?.strip_prefix("cpu ")?;
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .map(|t| t.parse().ok())
+        .collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal (guest time is
+    // already inside user and nice).
+    let steal = *ticks.get(7)?;
+    Some((steal, ticks.iter().take(8).sum()))
+}
+
+/// The share of CPU time stolen between two [`cpu_ticks`] readings.
+fn steal_share(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
+    let ((s0, t0), (s1, t1)) = (before?, after?);
+    (t1 > t0).then(|| s1.saturating_sub(s0) as f64 / (t1 - t0) as f64)
 }
 
 /// Throughput of one timed thread run.
@@ -654,6 +678,7 @@ fn targets(r: &BenchReport) -> Vec<Target> {
 /// a minute on two cores (release build).
 pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     let start = Instant::now();
+    let ticks = cpu_ticks();
     let plan = Plan::new(opts.quick);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let max_threads = opts.max_threads.unwrap_or(cores.max(2)).max(1);
@@ -671,6 +696,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
             .into(),
             backend: "sim (accounting)".into(),
             load_average: load_average(),
+            steal_share: None,
         },
         pair_ns: pair_ns(&plan)?,
         threads: threads_table(&plan, max_threads)?,
@@ -680,6 +706,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         seconds: 0.0,
     };
     r.targets = targets(&r);
+    r.machine.steal_share = steal_share(ticks, cpu_ticks());
     r.seconds = start.elapsed().as_secs_f64();
     Ok(r)
 }
@@ -712,7 +739,7 @@ impl fmt::Display for BenchReport {
         let m = &self.machine;
         writeln!(
             f,
-            "gpupool bench ({}{} build; {} core(s), {}/{}, load {}; {}; {:.1} s)",
+            "gpupool bench ({}{} build; {} core(s), {}/{}, load {}, steal {}; {}; {:.1} s)",
             if self.quick { "quick, " } else { "" },
             m.profile,
             m.cores,
@@ -720,6 +747,8 @@ impl fmt::Display for BenchReport {
             m.arch,
             m.load_average
                 .map_or_else(|| "unknown".into(), |l| format!("{l:.2}")),
+            m.steal_share
+                .map_or_else(|| "unknown".into(), |s| format!("{:.1}%", s * 100.0)),
             m.backend,
             self.seconds
         )?;
@@ -944,6 +973,20 @@ mod tests {
             "multi_stream_allocations",
         ] {
             assert!(table.contains(word), "{table}");
+        }
+    }
+
+    #[test]
+    fn steal_share_is_the_stolen_part_of_the_ticks_between_readings() {
+        assert_eq!(
+            steal_share(Some((10, 1_000)), Some((30, 1_400))),
+            Some(0.05)
+        );
+        assert_eq!(steal_share(Some((10, 1_000)), Some((10, 1_000))), None);
+        assert_eq!(steal_share(None, Some((10, 1_000))), None);
+        if cfg!(target_os = "linux") {
+            let (steal, total) = cpu_ticks().expect("/proc/stat is readable on Linux");
+            assert!(steal <= total && total > 0, "{steal} of {total}");
         }
     }
 
