@@ -169,6 +169,113 @@ fn parked_ranges_serve_slightly_shorter_requests_of_their_class() {
     assert_eq!(dev.stats().allocated_bytes.current, 0);
 }
 
+/// A parked range taken back records its new block late (the heap logs
+/// the owner word and writes it in a batch): snapshots, raw frees, raw
+/// sizes and the audit must still see every block as it is now, across
+/// the log's batch size and after parked ranges go back to the heap.
+#[test]
+fn owner_words_written_late_are_seen_by_snapshots_raw_frees_and_the_audit() {
+    let rt = sim_runtime(1, 1024 * MIB);
+    let dev = rt.device(0).unwrap();
+    let s = dev.new_stream().unwrap();
+    // Later requests are a little shorter than the ranges parked before
+    // them, so parking serves them.
+    let base = 600 * 1024;
+    let requested_at = |addr: u64| {
+        dev.snapshot()
+            .segments
+            .iter()
+            .flat_map(|g| &g.blocks)
+            .find(|b| b.address == addr && b.state == BlockState::ActiveAllocated)
+            .map(|b| b.requested_size)
+    };
+
+    // A raw block freed, its range parked, then taken back by a block:
+    // the range is a block now, neither a raw allocation nor a freed one.
+    let raw = dev.alloc_raw(base + 8192, &s).unwrap();
+    dev.free_raw(raw, &s).unwrap();
+    assert_eq!(dev.raw_size(raw), None, "freed");
+    let b = dev.alloc(base + 100, &s).unwrap();
+    assert_eq!(b.ptr(), raw, "the parked range is reused");
+    dev.audit().unwrap();
+    assert_eq!(requested_at(raw.addr()), Some(base as u64 + 100));
+    assert!(matches!(
+        dev.free_raw(raw, &s),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert_eq!(dev.raw_size(raw), None, "a block has no raw size");
+    dev.audit().unwrap();
+
+    // The block's range taken back by a raw allocation: raw again, freed
+    // once, then a double free.
+    drop(b);
+    let raw2 = dev.alloc_raw(base + 200, &s).unwrap();
+    assert_eq!(raw2, raw, "the parked range is reused");
+    assert_eq!(dev.raw_size(raw2), Some(base as u64 + 200));
+    dev.record_stream_raw(raw2, &s).unwrap();
+    dev.audit().unwrap();
+    dev.free_raw(raw2, &s).unwrap();
+    assert!(matches!(
+        dev.free_raw(raw2, &s),
+        Err(Error::DoubleFree { .. })
+    ));
+
+    // A block on a parked range freed across streams leaves the allocated
+    // map at once (its free waits on events): its logged word goes first.
+    let s2 = dev.new_stream().unwrap();
+    let c = dev.alloc(base + 300, &s).unwrap();
+    let at = c.ptr();
+    drop(c);
+    let d = dev.alloc(base + 200, &s).unwrap();
+    assert_eq!(d.ptr(), at, "the parked range is reused");
+    d.record_stream(&s2);
+    drop(d);
+    dev.audit().unwrap();
+    dev.harvest();
+
+    // Many more parked hits than the log holds, the sizes shrinking a
+    // little every round: each snapshot and audit sees the latest sizes.
+    let n = 40;
+    let size = |i: usize, round: usize| base + 8192 + i * 512 - round * 16;
+    let mut blocks: Vec<_> = (0..n).map(|i| dev.alloc(size(i, 0), &s).unwrap()).collect();
+    let mut reused = 0;
+    for round in 1..=20 {
+        let parked: std::collections::HashSet<u64> =
+            blocks.iter().map(|b| b.ptr().addr()).collect();
+        blocks.clear();
+        blocks = (0..n)
+            .map(|i| dev.alloc(size(i, round), &s).unwrap())
+            .collect();
+        reused += blocks
+            .iter()
+            .filter(|b| parked.contains(&b.ptr().addr()))
+            .count();
+        if round % 7 == 0 {
+            for b in &blocks {
+                assert_eq!(requested_at(b.ptr().addr()), Some(b.size() as u64));
+            }
+            dev.audit().unwrap();
+        }
+    }
+    assert!(
+        reused >= 600,
+        "{reused} of 800 allocations took a parked range"
+    );
+    // A request no parked range fits gives the parked ranges back to the
+    // heap: the log is applied before they leave the allocated map.
+    let half: Vec<_> = blocks.drain(..n / 2).collect();
+    drop(half);
+    let big = dev.alloc(64 * MIB as usize, &s).unwrap();
+    dev.audit().unwrap();
+    for b in &blocks {
+        assert_eq!(requested_at(b.ptr().addr()), Some(b.size() as u64));
+    }
+    drop(big);
+    drop(blocks);
+    dev.audit().unwrap();
+    assert_eq!(dev.stats().allocated_bytes.current, 0);
+}
+
 /// Before growing, the large path takes memory another stream freed with
 /// `record_stream` by handover: the taker waits on the free's events on the
 /// device, so the bytes the stalled stream still reads stay intact.

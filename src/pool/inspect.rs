@@ -106,7 +106,7 @@ impl PoolShared {
         // Movable regions are heap allocations; their free extents are
         // cached bytes and their held bytes are pending (see src/compact/).
         let (mv_regions, mv_live, _, mv_free) = self.movable.audit()?;
-        let h = self.heap.lock();
+        let mut h = self.heap.lock();
         h.heap.check()?;
         let f = h.heap.figures();
         let c = self.census(|id| h.group_events.contains_key(&id));
@@ -170,7 +170,7 @@ impl PoolShared {
         let _gate = self.maint_gate.lock();
         super::magazine::flush_for(self);
         let stats = self.stats();
-        let h = self.heap.lock();
+        let mut h = self.heap.lock();
         let census = self.census(|_| true);
 
         let parked: HashSet<u64> = h.exact.addrs().collect();
@@ -193,7 +193,7 @@ impl PoolShared {
                             (0, BlockState::Inactive)
                         } else {
                             (
-                                LargeLive::at(&h.heap, addr).map_or(0, |l| l.requested),
+                                LargeLive::at(&mut h.heap, addr).map_or(0, |l| l.requested),
                                 BlockState::ActiveAllocated,
                             )
                         };

@@ -163,7 +163,7 @@ impl LargeLive {
 
     /// The record of the allocated range at `addr` (a parked range still
     /// shows its last block's: callers that care ask the parking cache).
-    fn at(heap: &heap::Heap, addr: u64) -> Option<LargeLive> {
+    fn at(heap: &mut heap::Heap, addr: u64) -> Option<LargeLive> {
         Self::from_word(heap.allocated_at(addr)?.1)
     }
 }
@@ -569,7 +569,7 @@ impl PoolShared {
     fn alloc_large(&self, len: u64, live: LargeLive, stream: &Stream) -> Result<(u64, u64)> {
         let size = live.requested;
         let keep = |h: &mut HeapState, addr: u64| {
-            h.heap.set_owner(addr, live.word());
+            h.heap.set_taken_owner(addr, live.word());
             Ok((addr, len))
         };
         {
@@ -1016,7 +1016,7 @@ impl PoolShared {
         }
         let (requested, len) = {
             let mut h = self.heap.lock();
-            let requested = match LargeLive::at(&h.heap, addr) {
+            let requested = match LargeLive::at(&mut h.heap, addr) {
                 Some(l) if l.raw => l.requested,
                 Some(_) => {
                     return Err(Error::InvalidArgument(format!(
@@ -1080,7 +1080,7 @@ impl PoolShared {
                 .is_raw_live(slot.idx)
                 .then(|| self.slabs.requested(slot.idx));
         }
-        LargeLive::at(&self.heap.lock().heap, addr)
+        LargeLive::at(&mut self.heap.lock().heap, addr)
             .filter(|l| l.raw)
             .map(|l| l.requested)
     }
