@@ -417,8 +417,14 @@ impl State {
         let pool = self.pool(device)?;
         let dev = pool.device();
         let h = handle as usize as u64;
-        if h == 0 {
+        if StreamHandle(h).canonical() == StreamHandle(0) {
             return f(pool, pool.default_stream());
+        }
+        if StreamHandle(h) == StreamHandle::PER_THREAD {
+            // The calling thread's default stream: a wrapper per call, bound
+            // to this thread (it has no slot, so this costs no retirement).
+            let s = pool.stream_from_raw(StreamHandle::PER_THREAD);
+            return f(pool, &s);
         }
         {
             let m = self.streams[dev].read();
@@ -789,6 +795,45 @@ pub extern "C" fn gpupool_stream_destroy(device: c_int, stream: *mut c_void) -> 
         })?;
         // Dropped outside the locks: this flushes the stream's free lists
         // and destroys the backend stream.
+        drop(gone);
+        Ok(())
+    })
+}
+
+/// Releases a stream gpupool did not create (a framework's), which the ABI
+/// wrapped on its first use: memory freed on it moves behind one event
+/// recorded on it now, and gpupool never uses the handle again except to
+/// order frees of blocks recorded on it (`gpupool_record_stream`), which
+/// keep it until they are freed. Call it before destroying such a stream.
+/// A stream never used through the ABI is a no-op (0); `NULL`, the default
+/// streams and streams from `gpupool_stream_create` (use
+/// `gpupool_stream_destroy`) are `GPUPOOL_STATUS_INVALID_HANDLE`.
+#[no_mangle]
+pub extern "C" fn gpupool_stream_release(device: c_int, stream: *mut c_void) -> c_int {
+    status("gpupool_stream_release", || {
+        let h = stream as usize as u64;
+        let gone = with_state(|st| {
+            let pool = st.pool(device)?;
+            if StreamHandle(h).is_default() {
+                return Err(Fail::new(
+                    GpupoolStatus::InvalidHandle,
+                    "a default stream cannot be released",
+                ));
+            }
+            let mut m = st.streams[pool.device()].write();
+            match m.get(&h) {
+                Some(k) if k.created => Err(Fail::new(
+                    GpupoolStatus::InvalidHandle,
+                    format!(
+                        "stream {h:#x} was created by gpupool_stream_create: \
+                         destroy it with gpupool_stream_destroy"
+                    ),
+                )),
+                Some(_) => Ok(m.remove(&h)),
+                None => Ok(None),
+            }
+        })?;
+        // Dropped outside the locks: this flushes the stream's free lists.
         drop(gone);
         Ok(())
     })

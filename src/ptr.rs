@@ -73,3 +73,30 @@ handle!(
     /// An event with timing disabled (`CUevent` on CUDA).
     EventHandle
 );
+
+impl StreamHandle {
+    /// The legacy default stream under its explicit name
+    /// (`CU_STREAM_LEGACY`): the same stream as `StreamHandle(0)`.
+    pub const LEGACY: StreamHandle = StreamHandle(1);
+    /// The calling thread's default stream (`CU_STREAM_PER_THREAD`): one
+    /// handle value that names a different stream on every host thread.
+    pub const PER_THREAD: StreamHandle = StreamHandle(2);
+
+    /// Whether this is a handle value the driver reserves for a default
+    /// stream (0, [`StreamHandle::LEGACY`], [`StreamHandle::PER_THREAD`]).
+    #[inline]
+    pub fn is_default(self) -> bool {
+        self.0 <= 2
+    }
+
+    /// The one handle of the legacy default stream: [`StreamHandle::LEGACY`]
+    /// becomes 0, every other handle stays.
+    #[inline]
+    pub fn canonical(self) -> StreamHandle {
+        if self == StreamHandle::LEGACY {
+            StreamHandle(0)
+        } else {
+            self
+        }
+    }
+}

@@ -129,4 +129,9 @@ impl BackendCounters {
     pub fn get(&self, call: Call) -> u64 {
         self.calls.get(call.name()).copied().unwrap_or(0)
     }
+
+    /// Driver calls of every kind made so far.
+    pub fn total_calls(&self) -> u64 {
+        self.calls.values().sum()
+    }
 }

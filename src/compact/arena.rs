@@ -15,8 +15,10 @@
 //! waiting on something (freed ranges whose events have not completed, and
 //! destinations reserved by an in-flight pass).
 
+use crate::pool::StreamCore;
 use crate::ptr::{EventHandle, StreamHandle};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Allocation unit inside regions (the pool's alignment).
@@ -54,7 +56,7 @@ pub(crate) struct Entry {
     pub last_use: Vec<(StreamHandle, EventHandle)>,
     /// A use whose event could not be recorded: the block never moves, and
     /// its free waits for a host sync of these streams (`trim`).
-    pub unrecorded: Vec<StreamHandle>,
+    pub unrecorded: Vec<Arc<StreamCore>>,
     /// The pass moving this block, if any (cleared by a pin: cancel).
     pub moving: Option<u64>,
 }
@@ -72,7 +74,7 @@ pub(crate) struct PendingFree {
     pub addr: u64,
     pub len: u64,
     pub events: Vec<EventHandle>,
-    pub unrecorded: Vec<StreamHandle>,
+    pub unrecorded: Vec<Arc<StreamCore>>,
 }
 
 /// One move of a pass.
@@ -344,7 +346,7 @@ impl ArenaState {
     /// Frees block `id`: its range becomes held (the caller frees it now or
     /// after its events). Returns the entry's address, length, last-use
     /// events and unrecorded streams.
-    pub fn free_block(&mut self, id: u32) -> (u64, u64, Vec<EventHandle>, Vec<StreamHandle>) {
+    pub fn free_block(&mut self, id: u32) -> (u64, u64, Vec<EventHandle>, Vec<Arc<StreamCore>>) {
         let e = &mut self.entries[id as usize];
         debug_assert!(e.live && e.pins == 0);
         e.live = false;

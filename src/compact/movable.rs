@@ -4,11 +4,11 @@
 use super::arena::{PendingFree, UNIT};
 use super::pass;
 use crate::error::Result;
-use crate::pool::{DevicePool, Kind, Stream};
-use crate::ptr::{DevicePtr, StreamHandle};
+use crate::pool::{DevicePool, Kind, Stream, StreamCore};
+use crate::ptr::DevicePtr;
 use parking_lot::Mutex;
 use std::fmt;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// Where a movable block's memory is.
 #[derive(Debug, Clone, Copy)]
@@ -148,7 +148,7 @@ impl<'a> MovableBlock<'a> {
                 // A stream of another pool cannot be recorded on here: its
                 // use counts as unrecorded (the block stops moving).
                 let ev = if shared.owns_stream(stream) {
-                    shared.record_event_on(stream.handle()).ok()
+                    shared.record_event_on(stream.core()).ok()
                 } else {
                     None
                 };
@@ -172,8 +172,8 @@ impl<'a> MovableBlock<'a> {
                         }
                     }
                     None => {
-                        if !e.unrecorded.contains(&h) {
-                            e.unrecorded.push(h);
+                        if !e.unrecorded.iter().any(|c| Arc::ptr_eq(c, stream.core())) {
+                            e.unrecorded.push(stream.core().clone());
                         }
                     }
                 }
@@ -198,10 +198,10 @@ impl Drop for MovableBlock<'_> {
                 // use if anything ever pinned it (else no work could have
                 // had its address).
                 if !events.is_empty() || !unrecorded.is_empty() || !extra.is_empty() {
-                    for s in std::iter::once(self.stream.handle()).chain(extra) {
+                    for s in std::iter::once(self.stream.core()).chain(&extra) {
                         match shared.record_event_on(s) {
                             Ok(ev) => events.push(ev),
-                            Err(_) => unrecorded.push(s),
+                            Err(_) => unrecorded.push(s.clone()),
                         }
                     }
                 }
@@ -266,7 +266,7 @@ impl fmt::Debug for Pinned<'_> {
 /// [`crate::Block`] keeps its list in the pool's table instead: its
 /// address never changes.)
 #[derive(Default)]
-struct ExtraStreams(OnceLock<Box<Mutex<Vec<StreamHandle>>>>);
+struct ExtraStreams(OnceLock<Box<Mutex<Vec<Arc<StreamCore>>>>>);
 
 impl ExtraStreams {
     /// Adds `stream` once if `own`, the block's stream, [`Stream::records`]
@@ -276,13 +276,13 @@ impl ExtraStreams {
             return;
         }
         let mut e = self.0.get_or_init(Box::default).lock();
-        if !e.contains(&stream.handle()) {
-            e.push(stream.handle());
+        if !e.iter().any(|c| Arc::ptr_eq(c, stream.core())) {
+            e.push(stream.core().clone());
         }
     }
 
     /// The recorded streams, leaving none (for a free that moves them).
-    fn take(&mut self) -> Vec<StreamHandle> {
+    fn take(&mut self) -> Vec<Arc<StreamCore>> {
         self.0.take().map(|m| m.into_inner()).unwrap_or_default()
     }
 }

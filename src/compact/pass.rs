@@ -209,7 +209,7 @@ fn enqueue(
         })
         .collect();
     be.enqueue_moves(dev, stream, &moves)?;
-    match pool.record_event_on(stream) {
+    match pool.record_event_on_own(stream) {
         Ok(ev) => Ok(ev),
         Err(e) => {
             // The moves are queued but their end cannot be observed: wait
@@ -252,7 +252,9 @@ pub(crate) fn sync_all(pool: &PoolShared, st: &mut ArenaState) -> Serviced {
             let _ = be.sync_event(pool.dev(), e);
         }
         for s in std::mem::take(&mut p.unrecorded) {
-            let _ = be.sync_stream(pool.dev(), s);
+            if !s.is_dead() {
+                let _ = be.sync_stream(pool.dev(), s.handle);
+            }
         }
     }
     if let Some(p) = &st.pass {

@@ -1,10 +1,11 @@
 //! `Block`: an RAII device allocation, freed stream-ordered on drop.
 
-use super::{DevicePool, Kind, Stream};
-use crate::ptr::{DevicePtr, StreamHandle};
+use super::{DevicePool, Kind, Stream, StreamCore};
+use crate::ptr::DevicePtr;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering::Release};
+use std::sync::Arc;
 
 /// A live device allocation. Dropping it frees the memory, ordered after
 /// the work enqueued so far on its stream and on every stream passed to
@@ -102,7 +103,7 @@ impl<'a> Block<'a> {
         self.stream
             .inner
             .pool
-            .add_recorded_stream(self.ptr.addr(), stream.handle());
+            .add_recorded_stream(self.ptr.addr(), stream.core());
         self.meta.fetch_or(Meta::RECORDED, Release);
     }
 }
@@ -111,7 +112,9 @@ impl Drop for Block<'_> {
     fn drop(&mut self) {
         let w = *self.meta.get_mut();
         let pool = &self.stream.inner.pool;
-        let extra: Vec<StreamHandle> = if w & Meta::RECORDED != 0 {
+        // Dropped at the end, outside every pool lock: the last reference
+        // to a recorded stream may destroy it (after its event is recorded).
+        let extra: Vec<Arc<StreamCore>> = if w & Meta::RECORDED != 0 {
             pool.take_recorded_streams(self.ptr.addr())
         } else {
             Vec::new()

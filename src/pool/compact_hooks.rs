@@ -70,7 +70,13 @@ impl PoolShared {
     }
 
     /// Records a pooled event on `s`.
-    pub(crate) fn record_event_on(&self, s: StreamHandle) -> Result<EventHandle> {
+    pub(crate) fn record_event_on(&self, s: &super::StreamCore) -> Result<EventHandle> {
+        self.record_on(s)
+    }
+
+    /// Records a pooled event on the compaction stream (a handle the arena
+    /// owns and destroys itself).
+    pub(crate) fn record_event_on_own(&self, s: StreamHandle) -> Result<EventHandle> {
         self.record_one(s)
     }
 

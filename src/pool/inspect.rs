@@ -79,6 +79,21 @@ impl PoolShared {
                     }
                     c.pending_bytes += b;
                 }
+                Pending::Orphans { parts, bytes, .. } => {
+                    let mut b = 0;
+                    for (class, slots) in parts {
+                        b += slots.len() as u64 * self.slabs.classes.size_of(*class as usize);
+                        for &i in slots {
+                            note(&mut c, i, "the pending list");
+                            c.pending.insert(i);
+                        }
+                    }
+                    if b != *bytes {
+                        c.problem
+                            .get_or_insert(format!("orphan record claims {bytes} B, holds {b} B"));
+                    }
+                    c.pending_bytes += b;
+                }
                 Pending::Group { id } => {
                     if !group_events_ok(*id) {
                         c.problem
@@ -89,6 +104,16 @@ impl PoolShared {
         }
         for p in records {
             self.pending.push(p);
+        }
+        // Orphans handed over by magazines whose tomb is not ripe yet.
+        for t in self.tombs.lock().values() {
+            for (class, slots) in t.parts() {
+                c.pending_bytes += slots.len() as u64 * self.slabs.classes.size_of(*class as usize);
+                for &i in slots {
+                    note(&mut c, i, "a tomb");
+                    c.pending.insert(i);
+                }
+            }
         }
         for &i in place.keys() {
             if self.slabs.slab_info(self.slabs.slab_of(i)).0 == 0 {

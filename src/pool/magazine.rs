@@ -2,25 +2,33 @@
 //! this thread and kept for its next allocations on that stream, with no
 //! atomic instruction on either side.
 //!
-//! A magazine holds a clone of its stream (`Arc<StreamInner>`), so the
-//! stream, its slot and its pool stay alive while the magazine has slots;
-//! slots in a magazine are exactly like slots on that stream's dirty stack
+//! Slots in a magazine are exactly like slots on that stream's dirty stack
 //! (freed on that stream, reusable by it alone), only invisible to other
 //! threads. A thread keeps magazines for its two most recent streams; the
 //! older one is emptied into its stream's dirty stacks when a third stream
 //! comes along, and all are emptied when the thread exits, before a trim or
 //! an audit on this thread, when the pool reclaims on this thread, and when
-//! the pool is dropped on this thread. A magazine of another, still running
-//! thread keeps the pool's memory until that thread exits or calls
-//! `DevicePool::flush_thread_cache` (as thread caches of host allocators do);
-//! `thread_cache=false` turns magazines off.
-//! Other threads' magazines hold at most [`CAP`] slots per class each,
-//! which the pool's byte counters account for (as cached memory).
+//! the pool is dropped on this thread. `thread_cache=false` turns magazines
+//! off. Other threads' magazines hold at most [`CAP`] slots per class
+//! each, which the pool's byte counters account for (as cached memory).
+//!
+//! Lifetimes. A magazine holds its stream and its pool *weakly*: a thread
+//! that stays alive with full magazines keeps neither the stream (which
+//! retires when its user drops it) nor the pool's device memory (which goes
+//! when the runtime does). Invariants:
+//! 1. While a magazine exists, its stream's `StreamInner::mag_holders`
+//!    counts it; a stream that retires with holders left records a tomb
+//!    event, and each holder later hands its slots to the pool as orphans
+//!    that wait on that event (`PoolShared::adopt_orphans`), never to a
+//!    dirty stack a new stream could inherit.
+//! 2. A magazine's drop (thread exit included) touches host memory only:
+//!    no driver call, and nothing at all once its pool is torn down.
 
 use super::stream::{Stream, StreamInner};
 use super::PoolShared;
 use std::cell::RefCell;
-use std::sync::Arc;
+use std::sync::atomic::Ordering::AcqRel;
+use std::sync::{Arc, Weak};
 
 /// Slots per class per magazine.
 pub(crate) const CAP: usize = 16;
@@ -34,7 +42,9 @@ struct Rack {
 
 /// The magazine of one (thread, stream).
 struct Magazine {
-    stream: Arc<StreamInner>,
+    stream: Weak<StreamInner>,
+    pool: Weak<PoolShared>,
+    slot: u16,
     racks: Box<[Rack]>,
 }
 
@@ -44,9 +54,13 @@ thread_local! {
 
 impl Magazine {
     fn new(stream: &Stream) -> Magazine {
-        let n = stream.inner.pool.slabs.classes.len();
+        let inner = &stream.inner;
+        let n = inner.pool.slabs.classes.len();
+        inner.mag_holders.fetch_add(1, AcqRel);
         Magazine {
-            stream: stream.inner.clone(),
+            stream: Arc::downgrade(inner),
+            pool: Arc::downgrade(&inner.pool),
+            slot: inner.slot.expect("magazines are for streams with a slot"),
             racks: vec![
                 Rack {
                     len: 0,
@@ -58,29 +72,58 @@ impl Magazine {
         }
     }
 
-    /// Moves the oldest `n` slots of `class` to the stream's dirty stack.
-    fn spill(&mut self, class: usize, n: usize) {
-        let pool = &self.stream.pool;
-        let slot = self
-            .stream
-            .slot
-            .expect("magazines are for streams with a slot") as usize;
+    /// Moves the oldest `n` slots of `class` to the stream's dirty stack
+    /// (`pool` is the magazine's pool, alive).
+    fn spill(&mut self, pool: &PoolShared, class: usize, n: usize) {
         let r = &mut self.racks[class];
         let n = n.min(r.len);
-        pool.slabs.push_dirty_many(class, slot, &r.slots[..n]);
+        pool.slabs
+            .push_dirty_many(class, self.slot as usize, &r.slots[..n]);
         r.slots.copy_within(n..r.len, 0);
         r.len -= n;
         pool.counters
             .on_magazine(-((n as u64 * pool.slabs.classes.size_of(class)) as i64));
     }
+
+    /// Every slot, by class, leaving the magazine empty.
+    fn take_all(&mut self) -> Vec<(u16, Vec<u32>)> {
+        self.racks
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, r)| r.len > 0)
+            .map(|(c, r)| {
+                let v = r.slots[..r.len].to_vec();
+                r.len = 0;
+                (c as u16, v)
+            })
+            .collect()
+    }
 }
 
 impl Drop for Magazine {
     fn drop(&mut self) {
-        for c in 0..self.racks.len() {
-            let n = self.racks[c].len;
-            if n > 0 {
-                self.spill(c, n);
+        let Some(pool) = self.pool.upgrade() else {
+            return;
+        };
+        match self.stream.upgrade() {
+            Some(inner) => {
+                // The stream lives (and holds its slot): its dirty stacks.
+                if !pool.is_torn_down() {
+                    for c in 0..self.racks.len() {
+                        let n = self.racks[c].len;
+                        if n > 0 {
+                            self.spill(&pool, c, n);
+                        }
+                    }
+                }
+                inner.mag_holders.fetch_sub(1, AcqRel);
+                // Dropping `inner` may retire the stream, which flushes
+                // those stacks: no magazine borrow is held here.
+            }
+            None => {
+                // The stream retired while this magazine held its slots.
+                let parts = self.take_all();
+                pool.adopt_orphans(self.stream.as_ptr() as usize, parts);
             }
         }
     }
@@ -89,7 +132,7 @@ impl Drop for Magazine {
 #[inline]
 fn same(m: &Option<Magazine>, stream: &Stream) -> bool {
     m.as_ref()
-        .is_some_and(|m| Arc::ptr_eq(&m.stream, &stream.inner))
+        .is_some_and(|m| std::ptr::eq(m.stream.as_ptr(), Arc::as_ptr(&stream.inner)))
 }
 
 /// A slot of `class` this thread freed on `stream`, if it holds one.
@@ -104,7 +147,7 @@ pub(crate) fn take(stream: &Stream, class: usize) -> Option<u32> {
         }
         r.len -= 1;
         let idx = r.slots[r.len];
-        let pool = &mag.stream.pool;
+        let pool = &stream.inner.pool;
         pool.counters
             .on_magazine(-(pool.slabs.classes.size_of(class) as i64));
         Some(idx)
@@ -117,49 +160,88 @@ pub(crate) fn take(stream: &Stream, class: usize) -> Option<u32> {
 /// `false` if the caller must push it to the dirty stack itself.
 #[inline]
 pub(crate) fn put(stream: &Stream, class: usize, idx: u32) -> bool {
-    MAGS.try_with(|m| {
+    let evicted = MAGS.try_with(|m| {
         let Ok(mut m) = m.try_borrow_mut() else {
-            return false;
+            return (false, None);
         };
+        let mut evicted = None;
         if !same(&m[0], stream) {
             if same(&m[1], stream) {
                 m.swap(0, 1);
             } else {
-                // The older magazine is emptied (by its Drop) to make room.
+                // The older magazine is emptied (by its Drop, outside the
+                // borrow) to make room.
+                evicted = m[1].take();
                 m[1] = m[0].take();
                 m[0] = Some(Magazine::new(stream));
             }
         }
+        let pool = &stream.inner.pool;
         let mag = m[0].as_mut().expect("bound above");
         if mag.racks[class].len == CAP {
-            mag.spill(class, CAP / 2);
+            mag.spill(pool, class, CAP / 2);
         }
         let r = &mut mag.racks[class];
         r.slots[r.len] = idx;
         r.len += 1;
-        let pool = &mag.stream.pool;
         pool.counters
             .on_magazine(pool.slabs.classes.size_of(class) as i64);
-        true
-    })
-    .unwrap_or(false)
+        (true, evicted)
+    });
+    match evicted {
+        Ok((kept, evicted)) => {
+            drop(evicted);
+            kept
+        }
+        Err(_) => false,
+    }
 }
 
 /// Empties this thread's magazines that belong to `pool`.
 pub(crate) fn flush_for(pool: &PoolShared) {
+    flush_where(|m| std::ptr::eq(m.pool.as_ptr(), pool));
+}
+
+/// Empties this thread's magazine of `stream` (it is retiring, so its
+/// weak references no longer upgrade), if any: into its dirty stacks,
+/// which the retirement flushes next.
+pub(crate) fn flush_stream(stream: &StreamInner) {
+    let _ = MAGS.try_with(|m| {
+        let Ok(mut m) = m.try_borrow_mut() else {
+            return;
+        };
+        for w in m.iter_mut() {
+            if w.as_ref()
+                .is_some_and(|g| std::ptr::eq(g.stream.as_ptr(), stream))
+            {
+                let mut mag = w.take().expect("checked above");
+                if !stream.pool.is_torn_down() {
+                    for c in 0..mag.racks.len() {
+                        let n = mag.racks[c].len;
+                        if n > 0 {
+                            mag.spill(&stream.pool, c, n);
+                        }
+                    }
+                }
+                stream.mag_holders.fetch_sub(1, AcqRel);
+                // Spilled and uncounted: its drop has nothing to do.
+                mag.pool = Weak::new();
+            }
+        }
+    });
+}
+
+fn flush_where(pick: impl Fn(&Magazine) -> bool) {
     let _ = MAGS.try_with(|m| {
         let taken: Vec<Magazine> = match m.try_borrow_mut() {
             Ok(mut m) => m
                 .iter_mut()
-                .filter(|w| {
-                    w.as_ref()
-                        .is_some_and(|w| std::ptr::eq(Arc::as_ptr(&w.stream.pool), pool))
-                })
+                .filter(|w| w.as_ref().is_some_and(&pick))
                 .filter_map(Option::take)
                 .collect(),
             Err(_) => Vec::new(),
         };
-        // Dropped outside the borrow: dropping a stream may retire it.
+        // Dropped outside the borrow.
         drop(taken);
     });
 }

@@ -30,6 +30,7 @@ mod inspect;
 mod loom_tests;
 mod magazine;
 mod maintain;
+mod orphans;
 mod peer;
 mod pending;
 mod reclaim;
@@ -64,7 +65,8 @@ use small::Slabs;
 use stats::Counters;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
-use stream::{StreamInner, StreamRegistry, STREAM_SLOTS};
+pub(crate) use stream::StreamCore;
+use stream::{StreamRegistry, STREAM_SLOTS};
 
 /// What lives under the heap mutex.
 #[derive(Debug)]
@@ -105,12 +107,18 @@ pub(crate) struct PoolShared {
     counters: Counters,
     /// Extra streams recorded for raw pointers (`gpupool_record_stream`)
     /// and for blocks ([`Block::record_stream`]), by address.
-    recorded_streams: Mutex<HashMap<u64, Vec<StreamHandle>>>,
+    recorded_streams: Mutex<HashMap<u64, Vec<Arc<StreamCore>>>>,
+    /// Slots of retired streams still in other threads' magazines.
+    tombs: Mutex<orphans::Tombs>,
     /// Whether alloc and free events are recorded (one relaxed load on the
     /// fast path when off).
     recording: AtomicBool,
     history: Mutex<History>,
     shut: AtomicBool,
+    /// Set once [`PoolShared::teardown`] gave the device memory back: the
+    /// pool makes no driver call after that (streams that retire later, from
+    /// other threads' caches, only touch host memory).
+    torn_down: AtomicBool,
     /// Set when the pool grew: the next maintenance step flushes every
     /// stream's dirty memory, so that memory one stream freed becomes
     /// reusable by the others instead of each stream growing its own cache.
@@ -212,9 +220,11 @@ impl DevicePool {
             streams: StreamRegistry::new(),
             counters: Counters::new(),
             recorded_streams: Mutex::new(HashMap::default()),
+            tombs: Mutex::new(HashMap::default()),
             recording: AtomicBool::new(false),
             history: Mutex::new(History::default()),
             shut: AtomicBool::new(false),
+            torn_down: AtomicBool::new(false),
             flush_wanted: AtomicBool::new(false),
             idle: Mutex::new(maintain::IdleState::default()),
             maint_gate: Mutex::new(()),
@@ -224,6 +234,8 @@ impl DevicePool {
             info,
         });
         let default_stream = shared.stream_for(StreamHandle(0), false);
+        // The pool holds the only `PoolShared` reference that ends device
+        // memory: streams and per-thread caches may hold the rest.
         Ok(DevicePool {
             shared,
             default_stream,
@@ -267,8 +279,19 @@ impl DevicePool {
         Ok(self.shared.stream_for(h, true))
     }
 
-    /// Wraps a stream created elsewhere (e.g. by PyTorch), without owning it.
+    /// Wraps a stream created elsewhere (e.g. by PyTorch), without owning
+    /// it. Wrapping a handle that a live [`Stream`] of this pool already
+    /// wraps gives that stream. The pool stops using the handle once every
+    /// clone of the wrapper is dropped and every block recorded on it is
+    /// freed: do both before the stream's owner destroys it.
+    ///
+    /// `StreamHandle(0)` and [`StreamHandle::LEGACY`] are the legacy default
+    /// stream; [`StreamHandle::PER_THREAD`] is the calling thread's default
+    /// stream, and the wrapper stands for that thread's stream only.
     pub fn stream_from_raw(&self, handle: StreamHandle) -> Stream {
+        if handle.canonical() == StreamHandle(0) {
+            return self.default_stream.clone();
+        }
         self.shared.stream_for(handle, false)
     }
 
@@ -380,11 +403,11 @@ impl DevicePool {
 
 impl Drop for DevicePool {
     fn drop(&mut self) {
-        self.shared.shut.store(true, Relaxed);
-        // This thread's magazines hold the pool's streams (and so the pool):
-        // empty them so that the pool can go now. Magazines of other live
-        // threads keep it until those threads exit or flush.
+        // This thread's magazines hold the pool's streams: empty them.
+        // Other threads' magazines may keep `PoolShared` (host memory
+        // only) alive; the device memory goes now, whatever they hold.
         magazine::flush_for(&self.shared);
+        self.shared.teardown();
     }
 }
 
@@ -398,15 +421,13 @@ impl PoolShared {
     }
 
     fn stream_for(self: &Arc<Self>, handle: StreamHandle, owned: bool) -> Stream {
-        Stream {
-            inner: Arc::new(StreamInner {
-                device: self.dev,
-                handle,
-                slot: self.streams.slot_of(handle),
-                owned,
-                pool: self.clone(),
-            }),
-        }
+        let core = StreamCore::new(self.backend.clone(), self.dev, handle, owned);
+        self.streams.register(self, core)
+    }
+
+    /// Whether the pool gave its device memory back (no driver calls).
+    pub(crate) fn is_torn_down(&self) -> bool {
+        self.torn_down.load(std::sync::atomic::Ordering::Acquire)
     }
 
     fn check_stream(&self, stream: &Stream) -> Result<()> {
@@ -558,7 +579,7 @@ impl PoolShared {
             Some(s) => self.slabs.push_dirty_many(class, s as usize, rest),
             // Only this stream may use the slab for now, and it has no
             // dirty stacks: the other slots wait on an event like a free.
-            None if !rest.is_empty() => self.park_slots(class, rest.to_vec(), stream.handle(), &[]),
+            None if !rest.is_empty() => self.park_slots(class, rest.to_vec(), stream.core(), &[]),
             None => {}
         }
         Ok(Some(*first))
@@ -819,12 +840,12 @@ impl PoolShared {
         let q = h.heap.take_quarantine();
         if !q.is_empty() {
             let waits = match waited {
-                Ok(()) => self.record_events(stream.handle(), &[]),
+                Ok(()) => self.record_events(stream.core(), &[]),
                 // Without the waits, only trim (which syncs everything
                 // pending first) may release these granules.
                 Err(_) => Waits {
                     events: Vec::new(),
-                    unrecorded: vec![stream.handle()],
+                    unrecorded: vec![stream.core().clone()],
                 },
             };
             h.quarantine.push((waits, q));
@@ -882,7 +903,7 @@ impl PoolShared {
         kind: Kind,
         requested: u64,
         stream: &Stream,
-        extra: &[StreamHandle],
+        extra: &[Arc<StreamCore>],
     ) {
         if self.recording.load(Relaxed) {
             self.record(
@@ -904,7 +925,7 @@ impl PoolShared {
                             self.slabs.push_dirty(class, s as usize, idx);
                         }
                     }
-                    _ => self.park_slots(class, vec![idx], stream.handle(), extra),
+                    _ => self.park_slots(class, vec![idx], stream.core(), extra),
                 }
             }
             Kind::Large { len } => {
@@ -922,7 +943,7 @@ impl PoolShared {
                         h.heap
                             .free(addr, Tag::Pending(id))
                             .expect("block is allocated");
-                        let waits = self.record_events(stream.handle(), extra);
+                        let waits = self.record_events(stream.core(), extra);
                         h.group_events.insert(id, waits);
                         drop(h);
                         self.counters.pending_frees.fetch_add(1, Relaxed);
@@ -937,18 +958,35 @@ impl PoolShared {
     /// stream. A stream whose record fails is kept in `unrecorded`: such
     /// memory is never released by harvesting, only by `trim`, which
     /// synchronizes that stream first.
-    fn record_events(&self, own: StreamHandle, extra: &[StreamHandle]) -> Waits {
+    fn record_events(&self, own: &Arc<StreamCore>, extra: &[Arc<StreamCore>]) -> Waits {
         let mut w = Waits::default();
-        for &s in std::iter::once(&own).chain(extra) {
-            match self.record_one(s) {
+        for s in std::iter::once(own).chain(extra) {
+            match self.record_on(s) {
                 Ok(ev) => w.events.push(ev),
                 Err(e) => {
                     tracing::error!(device = self.dev, "recording a free's event failed: {e}");
-                    w.unrecorded.push(s);
+                    w.unrecorded.push(s.clone());
                 }
             }
         }
         w
+    }
+
+    /// Records a pooled event on the stream of `core`. A per-thread default
+    /// stream of another thread cannot be named from this one: the event
+    /// goes on the legacy default stream, which CUDA orders after the work
+    /// of every blocking stream, per-thread default streams included.
+    pub(crate) fn record_on(&self, core: &StreamCore) -> Result<EventHandle> {
+        if core.is_dead() {
+            return Err(Error::InvalidHandle(format!(
+                "stream {:?} was destroyed with its pool",
+                core.handle
+            )));
+        }
+        match core.thread {
+            Some(t) if t != std::thread::current().id() => self.record_one(StreamHandle(0)),
+            _ => self.record_one(core.handle),
+        }
     }
 
     /// Records a pooled event on stream `s`.
@@ -965,7 +1003,13 @@ impl PoolShared {
         Ok(ev)
     }
 
-    fn park_slots(&self, class: usize, slots: Vec<u32>, own: StreamHandle, extra: &[StreamHandle]) {
+    fn park_slots(
+        &self,
+        class: usize,
+        slots: Vec<u32>,
+        own: &Arc<StreamCore>,
+        extra: &[Arc<StreamCore>],
+    ) {
         let bytes = slots.len() as u64 * self.slabs.classes.size_of(class);
         let waits = self.record_events(own, extra);
         self.counters.pending_slot_bytes.fetch_add(bytes, Relaxed);
@@ -1053,7 +1097,7 @@ impl PoolShared {
 
     /// Removes and returns the streams recorded for the allocation at
     /// `addr` (none if there are none).
-    pub(crate) fn take_recorded_streams(&self, addr: u64) -> Vec<StreamHandle> {
+    pub(crate) fn take_recorded_streams(&self, addr: u64) -> Vec<Arc<StreamCore>> {
         let mut m = self.recorded_streams.lock();
         if m.is_empty() {
             return Vec::new();
@@ -1063,11 +1107,11 @@ impl PoolShared {
 
     /// Records that the allocation at `addr` is used on stream `s` too
     /// (once per stream).
-    pub(crate) fn add_recorded_stream(&self, addr: u64, s: StreamHandle) {
+    pub(crate) fn add_recorded_stream(&self, addr: u64, s: &Arc<StreamCore>) {
         let mut m = self.recorded_streams.lock();
         let v = m.entry(addr).or_default();
-        if !v.contains(&s) {
-            v.push(s);
+        if !v.iter().any(|c| Arc::ptr_eq(c, s)) {
+            v.push(s.clone());
         }
     }
 
@@ -1094,7 +1138,7 @@ impl PoolShared {
                 device: self.dev,
             });
         }
-        self.add_recorded_stream(ptr.addr(), stream.handle());
+        self.add_recorded_stream(ptr.addr(), stream.core());
         Ok(())
     }
 
@@ -1154,27 +1198,81 @@ impl PoolShared {
     }
 }
 
-impl Drop for PoolShared {
-    fn drop(&mut self) {
-        // Every stream of this pool is gone (they hold the Arc). Wait for
-        // pending work, then give everything back.
-        self.movable.teardown(self);
-        let _ = self.sync_pending();
-        let mut h = self.heap.lock();
-        h.heap.teardown();
-        for p in self.pending.take_all() {
-            match p {
-                Pending::Slots { waits, .. } => self.recycle_events(waits),
-                Pending::Group { .. } => {}
+impl PoolShared {
+    /// Gives every byte of device memory back, whatever still refers to the
+    /// pool: waits (on the host) for the work of every stream the pool
+    /// knows, so that no kernel still runs on memory about to be unmapped
+    /// (raw pointers included), waits for pending frees, unmaps and releases
+    /// all physical memory, destroys the pool's events and the streams it
+    /// made, and drops the streams recorded for live blocks. Idempotent;
+    /// afterwards the pool makes no driver call.
+    fn teardown(&self) {
+        use std::sync::atomic::Ordering::{AcqRel, Release};
+        self.shut.store(true, Release);
+        // Streams that retire from now on (other threads' caches) skip
+        // their flush: everything is waited for below.
+        if self.torn_down.swap(true, AcqRel) {
+            return;
+        }
+        let _gate = self.maint_gate.lock();
+        for core in self.streams.live_cores() {
+            let foreign_thread = core
+                .thread
+                .is_some_and(|t| t != std::thread::current().id());
+            if !core.is_dead() && !foreign_thread {
+                if let Err(e) = self.backend.sync_stream(self.dev, core.handle) {
+                    tracing::warn!(device = self.dev, "teardown: stream sync failed: {e}");
+                }
             }
         }
-        for (_, w) in h.group_events.drain() {
-            for e in w.events {
-                self.event_pool.lock().push(e);
+        if let Err(e) = self.backend.sync_stream(self.dev, StreamHandle(0)) {
+            tracing::warn!(
+                device = self.dev,
+                "teardown: default stream sync failed: {e}"
+            );
+        }
+        self.movable.teardown(self);
+        let _ = self.sync_pending();
+        let recorded = std::mem::take(&mut *self.recorded_streams.lock());
+        for (_, t) in std::mem::take(&mut *self.tombs.lock()) {
+            if let Some((w, _)) = t.waits {
+                self.recycle_events(w);
+            }
+        }
+        {
+            let mut h = self.heap.lock();
+            h.heap.teardown();
+            h.exact = exact::ExactCache::default();
+            for p in self.pending.take_all() {
+                match p {
+                    Pending::Slots { waits, .. } | Pending::Orphans { waits, .. } => {
+                        self.recycle_events(waits)
+                    }
+                    Pending::Group { .. } => {}
+                }
+            }
+            for (_, w) in h.group_events.drain() {
+                for e in w.events {
+                    self.event_pool.lock().push(e);
+                }
             }
         }
         for e in std::mem::take(&mut *self.event_pool.lock()) {
             let _ = self.backend.destroy_event(self.dev, e);
         }
+        let killed = self.streams.kill_owned();
+        // Dropped last: no core of an owned stream calls the driver now.
+        drop(recorded);
+        tracing::debug!(
+            device = self.dev,
+            streams_destroyed = killed,
+            "pool torn down"
+        );
+    }
+}
+
+impl Drop for PoolShared {
+    fn drop(&mut self) {
+        self.teardown();
     }
 }

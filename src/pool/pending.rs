@@ -8,9 +8,11 @@
 //! the rest back.
 
 use super::sync::{AtomicPtr, AtomicUsize};
-use crate::ptr::{EventHandle, StreamHandle};
+use super::StreamCore;
+use crate::ptr::EventHandle;
 use std::ptr;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+use std::sync::Arc;
 
 /// What a pending record holds back.
 #[derive(Debug)]
@@ -22,6 +24,16 @@ pub(crate) enum Pending {
         /// Slot indices.
         slots: Vec<u32>,
         /// What must complete first.
+        waits: Waits,
+        /// Slot bytes held back.
+        bytes: u64,
+    },
+    /// Slots of several classes that other threads' magazines held for a
+    /// stream when it retired (see `orphans.rs`).
+    Orphans {
+        /// Slot indices by class.
+        parts: Vec<(u16, Vec<u32>)>,
+        /// The retired stream's tomb event.
         waits: Waits,
         /// Slot bytes held back.
         bytes: u64,
@@ -40,8 +52,9 @@ pub(crate) struct Waits {
     /// Events recorded at the free, one per stream that used the memory.
     pub events: Vec<EventHandle>,
     /// Streams whose event could not be recorded: only a host sync of the
-    /// stream (in `trim`) can release the memory.
-    pub unrecorded: Vec<StreamHandle>,
+    /// stream (in `trim`) can release the memory. Held, so that the handle
+    /// stays valid until then.
+    pub unrecorded: Vec<Arc<StreamCore>>,
 }
 
 struct Node<T> {

@@ -7,13 +7,12 @@
 
 use super::heap::Tag;
 use super::pending::{Pending, Waits};
-use super::stream::STREAM_SLOTS;
-use super::{HeapState, PoolShared, Stream};
+use super::{HeapState, PoolShared, Stream, StreamCore};
 use crate::error::{Error, Result};
-use crate::ptr::StreamHandle;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
 
 impl PoolShared {
     /// Whether everything in `w` completed (never, while a stream is unrecorded).
@@ -73,6 +72,26 @@ impl PoolShared {
                         self.pending.push(Pending::Slots {
                             class,
                             slots,
+                            waits,
+                            bytes,
+                        });
+                    }
+                }
+                Pending::Orphans {
+                    parts,
+                    waits,
+                    bytes,
+                } => {
+                    if self.waits_done(&waits) {
+                        for (class, slots) in &parts {
+                            self.slabs.push_clean(*class as usize, slots);
+                        }
+                        self.counters.pending_slot_bytes.fetch_sub(bytes, Relaxed);
+                        self.recycle_events(waits);
+                        released += 1;
+                    } else {
+                        self.pending.push(Pending::Orphans {
+                            parts,
                             waits,
                             bytes,
                         });
@@ -159,11 +178,11 @@ impl PoolShared {
     /// Moves the memory that stream slot `slot` freed onto the pending list,
     /// with one event recorded on that stream, so that other streams can
     /// reuse it once the event completes.
-    pub(super) fn flush_slot(&self, slot: usize, handle: StreamHandle) {
+    pub(super) fn flush_slot(&self, slot: usize, core: &Arc<StreamCore>) {
         for class in 0..self.slabs.classes.len() {
             let idxs = self.slabs.take_dirty(class, slot);
             if !idxs.is_empty() {
-                self.park_slots(class, idxs, handle, &[]);
+                self.park_slots(class, idxs, core, &[]);
             }
         }
         let mut h = self.heap.lock();
@@ -173,11 +192,25 @@ impl PoolShared {
                 .expect("parked ranges are allocated");
         }
         if let Some((id, _)) = h.heap.flush_dirty(slot as u16) {
-            let waits = self.record_events(handle, &[]);
+            let waits = self.record_events(core, &[]);
             h.group_events.insert(id, waits);
             drop(h);
             self.pending.push(Pending::Group { id });
         }
+    }
+
+    /// Flushes the dirty memory of every live stream (see `flush_slot`).
+    /// Each stream is held while it is flushed, so none is destroyed under
+    /// the flush; the last reference may retire a stream here, after its
+    /// flush and outside every lock.
+    pub(crate) fn flush_all_streams(&self) {
+        let live = self.streams.live();
+        for s in &live {
+            if let Some(slot) = s.slot() {
+                self.flush_slot(slot as usize, s.core());
+            }
+        }
+        drop(live);
     }
 
     /// If the pool grew since the last call, flushes every stream's dirty
@@ -190,11 +223,7 @@ impl PoolShared {
         if !self.flush_wanted.swap(false, Relaxed) {
             return false;
         }
-        for slot in 0..STREAM_SLOTS {
-            if let Some(h) = self.streams.handle(slot) {
-                self.flush_slot(slot, h);
-            }
-        }
+        self.flush_all_streams();
         true
     }
 
@@ -203,11 +232,7 @@ impl PoolShared {
     /// harvests, and retires empty slabs.
     pub(super) fn reclaim(&self) {
         super::magazine::flush_for(self);
-        for slot in 0..STREAM_SLOTS {
-            if let Some(h) = self.streams.handle(slot) {
-                self.flush_slot(slot, h);
-            }
-        }
+        self.flush_all_streams();
         self.harvest();
         self.retire_empty_slabs();
     }
@@ -257,11 +282,7 @@ impl PoolShared {
         // the flush below would leave pending memory behind.
         let _gate = self.maint_gate.lock();
         super::magazine::flush_for(self);
-        for slot in 0..STREAM_SLOTS {
-            if let Some(h) = self.streams.handle(slot) {
-                self.flush_slot(slot, h);
-            }
-        }
+        self.flush_all_streams();
         self.sync_pending()?;
         self.movable.trim(self);
         self.harvest();
@@ -276,25 +297,22 @@ impl PoolShared {
             for &e in &w.events {
                 self.backend.sync_event(self.dev, e)?;
             }
-            for &s in &w.unrecorded {
-                self.backend.sync_stream(self.dev, s)?;
+            for s in &w.unrecorded {
+                if !s.is_dead() {
+                    self.backend.sync_stream(self.dev, s.handle)?;
+                }
             }
             Ok(())
         };
         let mut result = Ok(());
         for p in records {
             let r = match &p {
-                Pending::Slots { waits, .. } => sync(waits).map(|()| {
-                    let Pending::Slots { waits, .. } = &p else {
-                        unreachable!()
-                    };
-                    waits.clone()
-                }),
+                Pending::Slots { waits, .. } | Pending::Orphans { waits, .. } => sync(waits),
                 Pending::Group { id } => {
                     let h = self.heap.lock();
                     let w = h.group_events.get(id).cloned().unwrap_or_default();
                     drop(h);
-                    sync(&w).map(|()| w)
+                    sync(&w)
                 }
             };
             match r {
@@ -341,6 +359,18 @@ impl PoolShared {
                     bytes,
                 }
             }
+            Pending::Orphans {
+                parts,
+                mut waits,
+                bytes,
+            } => {
+                waits.unrecorded.clear();
+                Pending::Orphans {
+                    parts,
+                    waits,
+                    bytes,
+                }
+            }
             Pending::Group { id } => {
                 if let Some(w) = heap.lock().group_events.get_mut(&id) {
                     w.unrecorded.clear();
@@ -350,18 +380,28 @@ impl PoolShared {
         }
     }
 
-    /// A stream is going away: park what it freed, then destroy it if owned.
-    pub(crate) fn retire_stream(&self, handle: StreamHandle, slot: Option<u16>, owned: bool) {
-        if let Some(s) = slot {
-            self.flush_slot(s as usize, handle);
-            if owned {
-                self.streams.release(s);
-            }
+    /// The stream of slot `slot` retires (its last [`Stream`] clone went):
+    /// what it freed moves to the pending list behind one event recorded
+    /// on it, before its slot is freed and before its core (which the
+    /// caller holds) can destroy it. A torn-down pool has nothing to flush
+    /// and makes no driver call.
+    ///
+    /// `holders` other threads' magazines may still hold slots the stream
+    /// freed: they wait, as orphans, on a tomb event recorded here.
+    pub(crate) fn retire_stream(
+        &self,
+        core: &Arc<StreamCore>,
+        slot: u16,
+        uid: usize,
+        holders: usize,
+    ) {
+        if self.is_torn_down() {
+            return;
         }
-        if owned {
-            if let Err(e) = self.backend.destroy_stream(self.dev, handle) {
-                tracing::warn!(device = self.dev, "cuStreamDestroy failed: {e}");
-            }
+        self.flush_slot(slot as usize, core);
+        if holders > 0 {
+            let waits = self.record_events(core, &[]);
+            self.bury(uid, holders, waits);
         }
     }
 }

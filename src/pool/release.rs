@@ -7,7 +7,6 @@
 //! a background thread: what is still in flight on the device stays cached
 //! and goes on a later call.
 
-use super::stream::STREAM_SLOTS;
 use super::DevicePool;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -25,11 +24,7 @@ impl DevicePool {
             return 0;
         }
         super::magazine::flush_for(sh);
-        for slot in 0..STREAM_SLOTS {
-            if let Some(h) = sh.streams.handle(slot) {
-                sh.flush_slot(slot, h);
-            }
-        }
+        sh.flush_all_streams();
         sh.harvest();
         sh.retire_empty_slabs();
         sh.heap.lock().heap.release_cached()
@@ -44,11 +39,7 @@ impl DevicePool {
         let sh = &self.shared;
         sh.check_live()?;
         super::magazine::flush_for(sh);
-        for slot in 0..STREAM_SLOTS {
-            if let Some(h) = sh.streams.handle(slot) {
-                sh.flush_slot(slot, h);
-            }
-        }
+        sh.flush_all_streams();
         sh.sync_pending()?;
         sh.harvest();
         Ok(())

@@ -134,8 +134,13 @@ struct Shared {
 pub struct SimBackend {
     cfg: SimConfig,
     shared: Arc<Shared>,
-    /// Per-device default streams (`StreamHandle(0)`).
+    /// Per-device legacy default streams (`StreamHandle(0)`, also named
+    /// [`StreamHandle::LEGACY`]).
     default_streams: Vec<Arc<SimStream>>,
+    /// Per-thread default streams ([`StreamHandle::PER_THREAD`]): one
+    /// stream per (host thread, device), made on the thread's first use,
+    /// as CUDA does.
+    per_thread: Mutex<HashMap<(std::thread::ThreadId, usize), Arc<SimStream>>>,
     streams: RwLock<HashMap<u64, Arc<SimStream>>>,
     events: RwLock<HashMap<u64, Arc<SimEvent>>>,
     next_handle: AtomicU64,
@@ -187,9 +192,11 @@ impl SimBackend {
         let mut sim = SimBackend {
             shared: Arc::new(Shared { devices }),
             default_streams: Vec::new(),
+            per_thread: Mutex::new(HashMap::new()),
             streams: RwLock::new(HashMap::new()),
             events: RwLock::new(HashMap::new()),
-            next_handle: AtomicU64::new(1),
+            // Handles 0..=2 are the driver's default-stream values.
+            next_handle: AtomicU64::new(16),
             counters: CallCounters::default(),
             workers: Mutex::new(Vec::new()),
             cfg,
@@ -236,8 +243,17 @@ impl SimBackend {
 
     fn stream(&self, dev: usize, s: StreamHandle) -> Result<Arc<SimStream>> {
         self.dev(dev)?;
-        if s.0 == 0 {
+        if s.canonical() == StreamHandle(0) {
             return Ok(self.default_streams[dev].clone());
+        }
+        if s == StreamHandle::PER_THREAD {
+            let key = (std::thread::current().id(), dev);
+            if let Some(st) = self.per_thread.lock().get(&key) {
+                return Ok(st.clone());
+            }
+            let st = self.spawn_stream(dev)?;
+            self.per_thread.lock().insert(key, st.clone());
+            return Ok(st);
         }
         match self.streams.read().get(&s.0) {
             Some(st) if st.device == dev => Ok(st.clone()),
@@ -465,6 +481,9 @@ impl SimBackend {
 impl Drop for SimBackend {
     fn drop(&mut self) {
         for s in &self.default_streams {
+            s.close();
+        }
+        for s in self.per_thread.lock().values() {
             s.close();
         }
         for s in self.streams.read().values() {
@@ -699,9 +718,9 @@ impl Backend for SimBackend {
 
     fn destroy_stream(&self, dev: usize, stream: StreamHandle) -> Result<()> {
         self.counters.count(Call::StreamDestroy);
-        if stream.0 == 0 {
+        if stream.is_default() {
             return Err(Error::InvalidHandle(
-                "the default stream cannot be destroyed".into(),
+                "a default stream cannot be destroyed".into(),
             ));
         }
         let s = self.stream(dev, stream)?;
