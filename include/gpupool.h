@@ -252,6 +252,18 @@ int gpupool_stream_create(int device, void **out);
 int gpupool_stream_destroy(int device, void *stream);
 
 /**
+ * Releases a stream gpupool did not create (a framework's), which the ABI
+ * wrapped on its first use: memory freed on it moves behind one event
+ * recorded on it now, and gpupool never uses the handle again except to
+ * order frees of blocks recorded on it (`gpupool_record_stream`), which
+ * keep it until they are freed. Call it before destroying such a stream.
+ * A stream never used through the ABI is a no-op (0); `NULL`, the default
+ * streams and streams from `gpupool_stream_create` (use
+ * `gpupool_stream_destroy`) are `GPUPOOL_STATUS_INVALID_HANDLE`.
+ */
+int gpupool_stream_release(int device, void *stream);
+
+/**
  * Writes the statistics of `device` as one JSON object (the fields of
  * `PoolStats`: `device`, `allocated_bytes`, `reserved_bytes`,
  * `active_bytes`, `cached_bytes`, `pending_bytes` as `{"current", "peak"}`,

@@ -1085,20 +1085,40 @@ impl Heap {
         debug_assert_eq!(chunks.len(), need_len, "counted as stealable above");
         // Consecutive granules are mapped as one run: one access grant each.
         let mut i = 0;
-        for &(g0, n) in &runs {
+        for (k, &(g0, n)) in runs.iter().enumerate() {
             let n = n as usize;
             if let Err(e) = self.map_run_at(g0, &chunks[i..i + n]) {
-                // Runs this call already backed stay mapped: they become
-                // idle below and are reused like any other. The chunks of
-                // the others go back where they came from: spare ones to
+                // All or nothing: the runs this call already mapped are
+                // unmapped again (no work ever saw their addresses), so an
+                // aliased chunk never stays under a new address that could
+                // go back to the free ranges while its old uses run. Then
+                // every chunk goes back where it came from: spare ones to
                 // the spare list (in the order they were popped from it),
-                // stolen ones to their granules.
-                for &c in chunks[i.min(from_spare)..from_spare].iter().rev() {
+                // stolen ones to their granules (an aliased one to its old
+                // mapping, which it never left), and the chunks created for
+                // this call to the device.
+                let kept = self.unmap_fresh_runs(&runs[..k]);
+                if kept > 0 {
+                    // A driver that maps but cannot unmap: the chunks stay
+                    // where they are, mapped (a leak, never an alias).
+                    tracing::error!(
+                        device = self.dev,
+                        granules = kept,
+                        "rolling back a stitch: unmap failed; granules stay mapped"
+                    );
+                    self.drop_users(start, len);
+                    return Err(e);
+                }
+                for &c in chunks[..from_spare].iter().rev() {
                     self.push_spare(c);
                 }
-                let used = i.saturating_sub(from_spare);
-                steals.stolen.truncate(steals.stolen.len() - used);
                 self.unsteal_all(steals);
+                for _ in 0..shortfall {
+                    match self.take_spare() {
+                        Some(c) => self.release_chunk(c),
+                        None => break,
+                    }
+                }
                 self.drop_users(start, len);
                 return Err(e);
             }
@@ -1241,6 +1261,38 @@ impl Heap {
         }
         mapped.insert_range(g0, g0 + chunks.len() as u32);
         Ok(())
+    }
+
+    /// Unmaps runs of granules that the current stitch mapped and clears
+    /// their chunks (the caller puts those back). Returns the granules
+    /// that could not be unmapped (left mapped, chunks kept).
+    fn unmap_fresh_runs(&mut self, runs: &[(u32, u32)]) -> u32 {
+        let mut kept = 0;
+        for &(g0, n) in runs {
+            let Physical::Vmm {
+                base,
+                granules,
+                mapped,
+                ..
+            } = &mut self.phys
+            else {
+                return 0;
+            };
+            let va = DevicePtr(*base + g0 as u64 * self.gran);
+            if self
+                .backend
+                .unmap_run(self.dev, va, self.gran, n as u64)
+                .is_err()
+            {
+                kept += n;
+                continue;
+            }
+            for g in g0..g0 + n {
+                granules[g as usize].chunk = None;
+            }
+            mapped.remove_range(g0, g0 + n);
+        }
+        kept
     }
 
     fn take_spare(&mut self) -> Option<ChunkHandle> {
@@ -2182,5 +2234,69 @@ impl Heap {
             g += 1;
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::sim::{SimBackend, SimConfig};
+
+    const MIB: u64 = 1 << 20;
+
+    /// A stitch whose unbacked granules form two runs, with the second
+    /// run's map failing: the first run, already mapped with chunks stolen
+    /// by aliasing from another stream's dirty memory, must be unmapped
+    /// again and every chunk put back, so that no other stream can take an
+    /// aliased chunk under a clean address while its old uses run.
+    #[test]
+    fn a_failed_second_run_unmaps_the_first_and_puts_every_chunk_back() {
+        let sim = Arc::new(
+            SimBackend::new(SimConfig {
+                devices: 1,
+                capacity_bytes: 64 * MIB,
+                granularity: 2 * MIB,
+                ..Default::default()
+            })
+            .unwrap(),
+        );
+        let mut heap = Heap::new(sim.clone(), 0, 256 * MIB, 0).unwrap();
+        let (base, _) = heap.reservation().unwrap();
+        // Granules 0..6 backed and freed clean; 6..10 dirty on slot 0.
+        let x = heap.alloc(12 * MIB, ALIGN, Some(0), false).unwrap();
+        let z = heap.alloc(8 * MIB, ALIGN, Some(0), false).unwrap();
+        assert_eq!((x.addr, z.addr), (base, base + 12 * MIB));
+        heap.free(x.addr, Tag::Clean).unwrap();
+        heap.free(z.addr, Tag::Dirty(0)).unwrap();
+        // Holes at granules 0..2 and 4..6: two unbacked runs around 2..4.
+        assert_eq!(heap.release_range(base, base + 4 * MIB), 4 * MIB);
+        assert_eq!(heap.release_range(base + 8 * MIB, base + 12 * MIB), 4 * MIB);
+        sim.set_capacity_limit(0, Some(heap.reserved())).unwrap();
+        let layout = heap.layout();
+        let reserved = heap.reserved();
+        // Run one maps two chunks; the third map (run two) fails.
+        sim.fail_nth_map(0, 3).unwrap();
+        let r = heap.alloc(12 * MIB, ALIGN, Some(0), false);
+        assert!(matches!(r, Err(Error::InjectedFault(_))), "{r:?}");
+        sim.fail_nth_map(0, 0).unwrap();
+        heap.check().unwrap();
+        assert_eq!(heap.layout(), layout, "the failed stitch changed the heap");
+        assert_eq!(heap.reserved(), reserved);
+        assert!(
+            heap.take_quarantine().is_empty(),
+            "aliased granules left quarantined"
+        );
+        // Backed memory is where it was: granules 2..4 (clean) and 6..10
+        // (dirty on slot 0), nothing under the holes.
+        let backed: Vec<(u64, u64)> = layout
+            .iter()
+            .flatten()
+            .map(|&(a, l, _)| (a - base, l))
+            .collect();
+        assert_eq!(backed, vec![(4 * MIB, 4 * MIB), (12 * MIB, 8 * MIB)]);
+        // The retry succeeds.
+        let ok = heap.alloc(12 * MIB, ALIGN, Some(0), false).unwrap();
+        assert_eq!(ok.addr, base);
+        heap.check().unwrap();
     }
 }

@@ -837,6 +837,18 @@ impl PoolShared {
                 break;
             }
         }
+        if let Err(e) = &waited {
+            // A device-side wait failed: wait on the host instead (an error
+            // path, like the way to out of memory), which orders everything
+            // after those uses just as well.
+            tracing::warn!(
+                device = self.dev,
+                "cuStreamWaitEvent failed ({e}); waiting on the host"
+            );
+            if self.sync_groups(h, &ids).is_ok() {
+                waited = Ok(());
+            }
+        }
         let q = h.heap.take_quarantine();
         if !q.is_empty() {
             let waits = match waited {
@@ -852,13 +864,46 @@ impl PoolShared {
         }
         let t = r?;
         if let Err(e) = waited {
-            h.heap.free(t.addr, t.from).expect("just allocated");
+            // The range may hold chunks of pending memory whose uses neither
+            // this stream nor the host could wait for: it goes back as a
+            // pending group of its own that only `trim` (which syncs every
+            // pending use first) releases, never under its old tag.
+            let id = h.heap.new_pending_group();
+            h.heap
+                .free(t.addr, Tag::Pending(id))
+                .expect("just allocated");
+            h.group_events.insert(
+                id,
+                Waits {
+                    events: Vec::new(),
+                    unrecorded: vec![stream.core().clone()],
+                },
+            );
+            self.pending.push(Pending::Group { id });
             return Err(e);
         }
         if !ids.is_empty() {
             self.counters.handovers.fetch_add(1, Relaxed);
         }
         Ok(t)
+    }
+
+    /// Blocks the host until every use of pending groups `ids` completed
+    /// (error paths only).
+    fn sync_groups(&self, h: &HeapState, ids: &[u32]) -> Result<()> {
+        for id in ids {
+            if let Some(w) = h.group_events.get(id) {
+                for &e in &w.events {
+                    self.backend.sync_event(self.dev, e)?;
+                }
+                for s in &w.unrecorded {
+                    if !s.is_dead() {
+                        self.backend.sync_stream(self.dev, s.handle)?;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     fn oom(&self, requested: u64) -> Error {

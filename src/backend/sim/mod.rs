@@ -111,6 +111,10 @@ struct Faults {
     op_delay_ns: AtomicU64,
     /// The next N event record/query calls fail.
     failing_event_ops: AtomicU64,
+    /// Event records, queries and stream waits since `fail_event_at` was set.
+    event_ops: AtomicU64,
+    /// Fail the event operation whose 1-based count equals this (0: off).
+    fail_event_at: AtomicU64,
 }
 
 /// One simulated device.
@@ -183,6 +187,8 @@ impl SimBackend {
                         event_delay_ns: AtomicU64::new(0),
                         op_delay_ns: AtomicU64::new(cfg.op_delay.as_nanos() as u64),
                         failing_event_ops: AtomicU64::new(0),
+                        event_ops: AtomicU64::new(0),
+                        fail_event_at: AtomicU64::new(0),
                     },
                     integrity_errors: AtomicU64::new(0),
                     device_faults: AtomicU64::new(0),
@@ -302,7 +308,20 @@ impl SimBackend {
         Ok(())
     }
 
+    /// The n-th-operation fault of [`SimBackend::fail_nth_event_op`].
+    fn nth_event_fault(&self, dev: usize) -> Result<()> {
+        let f = &self.dev(dev)?.faults;
+        let at = f.fail_event_at.load(Relaxed);
+        if at != 0 && f.event_ops.fetch_add(1, Relaxed) + 1 == at {
+            return Err(Error::InjectedFault(format!(
+                "event operation #{at} on device {dev} failed"
+            )));
+        }
+        Ok(())
+    }
+
     fn event_fault(&self, dev: usize) -> Result<()> {
+        self.nth_event_fault(dev)?;
         let f = &self.dev(dev)?.faults.failing_event_ops;
         let took = f
             .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1))
@@ -388,6 +407,18 @@ impl SimBackend {
     /// Makes the next `n` event record/query calls on `dev` fail.
     pub fn fail_next_event_ops(&self, dev: usize, n: u64) -> Result<()> {
         self.dev(dev)?.faults.failing_event_ops.store(n, Relaxed);
+        Ok(())
+    }
+
+    /// Makes the `n`-th event operation on `dev` (event record, event
+    /// query or stream wait on an event), counted from now with 1 for the
+    /// next one, fail with [`Error::InjectedFault`] (nothing done). `n = 0`
+    /// turns the fault off.
+    pub fn fail_nth_event_op(&self, dev: usize, n: u64) -> Result<()> {
+        let f = &self.dev(dev)?.faults;
+        f.fail_event_at.store(0, Relaxed);
+        f.event_ops.store(0, Relaxed);
+        f.fail_event_at.store(n, Relaxed);
         Ok(())
     }
 
@@ -777,6 +808,7 @@ impl Backend for SimBackend {
         self.counters.count(Call::StreamWaitEvent);
         let ev = self.event(dev, event)?;
         let st = self.stream(dev, stream)?;
+        self.nth_event_fault(dev)?;
         let seq = ev.current();
         self.push_op(dev, &st, Op::Wait(ev, seq))
     }
