@@ -37,6 +37,9 @@ pub struct PoolConfig {
     pub backend: BackendKind,
     /// Simulator settings, for `backend=sim` and for `auto` without CUDA.
     pub sim: SimConfig,
+    /// Use at most this many devices (the first ones) of any backend
+    /// (`devices=N`; `None`: all).
+    pub device_limit: Option<usize>,
     /// Requests up to this many bytes come from size-class slabs; larger ones
     /// take the large (virtual-memory) path.
     pub small_max: u64,
@@ -76,6 +79,7 @@ impl Default for PoolConfig {
         PoolConfig {
             backend: BackendKind::Auto,
             sim: SimConfig::default(),
+            device_limit: None,
             small_max: 32 << 10,
             va_factor: 4,
             handover: true,
@@ -98,7 +102,10 @@ impl PoolConfig {
             "backend",
             "sim | cuda | auto (default auto: CUDA if present, else sim)",
         ),
-        ("devices", "simulated devices (default 1)"),
+        (
+            "devices",
+            "use the first N devices (default: all; the simulator makes N, default 1)",
+        ),
         ("capacity", "memory per simulated device (default 8GiB)"),
         (
             "granularity",
@@ -195,6 +202,7 @@ impl PoolConfig {
                     if c.sim.devices == 0 || c.sim.devices > 64 {
                         return Err(bad(format!("{value}: between 1 and 64 devices")));
                     }
+                    c.device_limit = Some(c.sim.devices);
                 }
                 "capacity" => c.sim.capacity_bytes = nonzero(parse_size(value)).map_err(bad)?,
                 "granularity" => {

@@ -54,6 +54,9 @@ pub enum Error {
     /// No CUDA driver library could be loaded, or it reported no device.
     #[error("no CUDA driver: {0}")]
     NoDriver(String),
+    /// The backend has no device the configuration lets gpupool use.
+    #[error("no device: {0}")]
+    NoDevice(String),
     /// A call into the backend (driver) failed.
     #[error("backend call {call} failed: {msg}")]
     Backend {

@@ -156,6 +156,7 @@ impl GpupoolStatus {
     pub fn of(e: &Error) -> GpupoolStatus {
         match e {
             Error::NoDriver(_) => GpupoolStatus::NoDriver,
+            Error::NoDevice(_) => GpupoolStatus::InvalidDevice,
             Error::Backend { .. } => GpupoolStatus::Backend,
             Error::DeviceOutOfMemory { .. } => GpupoolStatus::DeviceOutOfMemory,
             Error::OutOfMemory(_) => GpupoolStatus::OutOfMemory,
@@ -396,15 +397,17 @@ fn init_from(conf: Option<&str>) -> FResult<()> {
 impl State {
     fn pool(&self, device: c_int) -> FResult<&DevicePool> {
         let n = self.rt.device_count();
-        usize::try_from(device)
+        let d = usize::try_from(device)
             .ok()
-            .and_then(|d| self.rt.devices().get(d))
+            .filter(|&d| d < n)
             .ok_or_else(|| {
                 Fail::new(
                     GpupoolStatus::InvalidDevice,
                     format!("invalid device {device}: {n} device(s) present"),
                 )
-            })
+            })?;
+        // Built on first use.
+        Ok(self.rt.device(d)?)
     }
 
     /// Runs `f` with the pool of `device` and the stream `handle` of it.
@@ -467,8 +470,8 @@ impl State {
     /// allocation, if any.
     fn owner_of(&self, addr: u64, dev: usize) -> Option<usize> {
         self.rt
-            .devices()
-            .iter()
+            .active_devices()
+            .into_iter()
             .find(|p| p.device() != dev && p.raw_size(DevicePtr(addr)).is_some())
             .map(|p| p.device())
     }
@@ -603,7 +606,7 @@ pub extern "C" fn gpupool_shutdown() -> c_int {
             }
         };
         if let Global::Live(st) = old {
-            for p in st.rt.devices() {
+            for p in st.rt.active_devices() {
                 let live = p.stats().allocated_bytes.current;
                 if live > 0 {
                     tracing::warn!(
@@ -884,8 +887,8 @@ pub unsafe extern "C" fn gpupool_snapshot_json(
         let json = with_state(|st| {
             let snaps: Vec<_> = check_device_or_all(st, device)?
                 .into_iter()
-                .map(|d| st.rt.devices()[d].snapshot())
-                .collect();
+                .map(|d| st.rt.device(d).map(|p| p.snapshot()))
+                .collect::<Result<Vec<_>, Error>>()?;
             Ok(export::snapshot_to_json(&snaps))
         })?;
         // SAFETY: `buf` is NULL or valid for `len` bytes (caller's contract).
@@ -908,8 +911,8 @@ pub unsafe extern "C" fn gpupool_snapshot_pickle(device: c_int, path: *const c_c
         let bytes = with_state(|st| {
             let snaps: Vec<_> = check_device_or_all(st, device)?
                 .into_iter()
-                .map(|d| st.rt.devices()[d].snapshot())
-                .collect();
+                .map(|d| st.rt.device(d).map(|p| p.snapshot()))
+                .collect::<Result<Vec<_>, Error>>()?;
             Ok(export::snapshot_to_pickle(&snaps))
         })?;
         std::fs::write(path, bytes)
@@ -925,7 +928,7 @@ pub extern "C" fn gpupool_record_history(device: c_int, enabled: c_int) -> c_int
     status("gpupool_record_history", || {
         with_state(|st| {
             for d in check_device_or_all(st, device)? {
-                st.rt.devices()[d].record_history(enabled != 0);
+                st.rt.device(d)?.record_history(enabled != 0);
             }
             Ok(())
         })
@@ -1079,8 +1082,8 @@ pub extern "C" fn gpupool_torch_record_stream(ptr: *mut c_void, stream: *mut c_v
         with_state(|st| {
             let dev = st
                 .rt
-                .devices()
-                .iter()
+                .active_devices()
+                .into_iter()
                 .find(|p| p.raw_size(DevicePtr(addr)).is_some())
                 .map(|p| p.device())
                 .ok_or_else(|| {

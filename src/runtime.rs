@@ -2,8 +2,16 @@
 //!
 //! Besides the pools, a runtime owns one maintenance thread per device,
 //! enables peer access between pools where the backend allows it
-//! ([`PeerMatrix`]), and runs per-device work in parallel with rayon:
-//! construction, [`Runtime::warm_up`] and [`Runtime::trim`].
+//! ([`PeerMatrix`]), and runs per-device work in parallel, one scoped
+//! thread per device: [`Runtime::warm_up`] and [`Runtime::trim`].
+//!
+//! **Devices start lazily.** Building a runtime opens the backend and
+//! reads each device's facts, nothing more: a device's pool (its address
+//! reservation, events, maintenance thread and peer grants) is built on its
+//! first use through [`Runtime::device`]. A rank of a multi-process job
+//! that only ever uses its own GPU pays for no other (on CUDA, no context
+//! on the others). `devices=N` in the config limits the runtime to the
+//! first N devices of any backend. No thread pool is started at build time.
 //!
 //! **Maintenance threads** (`gpupool-maint-<dev>`, on unless
 //! [`RuntimeBuilder::maintenance`] turns them off or `maint_ms=0`): every
@@ -35,8 +43,8 @@ use crate::config::{BackendKind, PoolConfig};
 use crate::error::{Error, Result};
 use crate::pool::DevicePool;
 use crate::topology::Topology;
-use rayon::prelude::*;
-use std::sync::Arc;
+use parking_lot::Mutex;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// Builds a [`Runtime`].
@@ -105,17 +113,24 @@ impl RuntimeBuilder {
     }
 }
 
+/// The pools of a runtime by device, each built on first use. Shared with
+/// the maintenance threads, which stop before the runtime drops it.
+pub(crate) type Pools = Arc<Vec<OnceLock<DevicePool>>>;
+
 /// One pool per device over one backend. Pools share nothing but the
-/// backend object, so no lock is ever shared between devices.
+/// backend object, so no lock is ever shared between devices once they
+/// are built.
 #[derive(Debug)]
 pub struct Runtime {
     backend: Arc<dyn Backend>,
     config: PoolConfig,
-    /// Shared with the maintenance threads, which stop before it drops.
-    pools: Arc<Vec<DevicePool>>,
+    pools: Pools,
+    /// Serializes building pools (a slow path, once per device).
+    building: Mutex<()>,
     topology: Topology,
-    peers: PeerMatrix,
-    maintenance: parking_lot::Mutex<maint::Maintenance>,
+    peer_access: bool,
+    peers: Mutex<PeerMatrix>,
+    maintenance: Mutex<maint::Maintenance>,
 }
 
 impl Runtime {
@@ -131,35 +146,60 @@ impl Runtime {
     }
 
     fn start(backend: Arc<dyn Backend>, config: PoolConfig, peers: bool) -> Result<Runtime> {
-        let pools = (0..backend.device_count())
-            .into_par_iter()
-            .map(|d| DevicePool::new(backend.clone(), d, config.clone()))
+        let n = backend
+            .device_count()
+            .min(config.device_limit.unwrap_or(usize::MAX));
+        if n == 0 {
+            return Err(Error::NoDevice(format!(
+                "the {} backend has no device to use",
+                backend.name()
+            )));
+        }
+        let infos = (0..n)
+            .map(|d| backend.device_info(d))
             .collect::<Result<Vec<_>>>()?;
-        let pools = Arc::new(pools);
-        let infos: Vec<_> = pools.iter().map(|p| p.info().clone()).collect();
         let topology = crate::topology::discover(&infos);
-        let peers = if peers {
-            PeerMatrix::enable(&*backend, &pools)
-        } else {
-            PeerMatrix {
-                access: (0..pools.len())
-                    .map(|d| (0..pools.len()).map(|p| p == d).collect())
-                    .collect(),
-                notes: vec!["peer access turned off".into()],
-            }
+        let mut matrix = PeerMatrix {
+            access: (0..n).map(|d| (0..n).map(|p| p == d).collect()).collect(),
+            notes: Vec::new(),
         };
-        let maintenance = match config.maintenance_tick {
-            Some(tick) => maint::Maintenance::start(&pools, tick, &topology)?,
-            None => maint::Maintenance::default(),
-        };
+        if !peers {
+            matrix.notes.push("peer access turned off".into());
+        }
         Ok(Runtime {
             backend,
             config,
-            pools,
+            pools: Arc::new((0..n).map(|_| OnceLock::new()).collect()),
+            building: Mutex::new(()),
             topology,
-            peers,
-            maintenance: parking_lot::Mutex::new(maintenance),
+            peer_access: peers,
+            peers: Mutex::new(matrix),
+            maintenance: Mutex::new(maint::Maintenance::default()),
         })
+    }
+
+    /// Builds the pool of device `dev` (under `building`): the pool, its
+    /// peer grants and its maintenance thread.
+    fn build_pool(&self, dev: usize) -> Result<&DevicePool> {
+        let _b = self.building.lock();
+        if let Some(p) = self.pools[dev].get() {
+            return Ok(p);
+        }
+        let pool = DevicePool::new(self.backend.clone(), dev, self.config.clone())?;
+        if self.peer_access {
+            let row = PeerMatrix::enable_row(&*self.backend, &pool, self.pools.len());
+            self.peers.lock().set_row(dev, row);
+        }
+        if self.pools[dev].set(pool).is_err() {
+            unreachable!("pools are set under the building lock");
+        }
+        if let Some(tick) = self.config.maintenance_tick {
+            self.maintenance
+                .lock()
+                .start_one(&self.pools, dev, tick, &self.topology)?;
+        }
+        tracing::debug!(device = dev, "pool built");
+        Ok(self.pools[dev].get().expect("set above"))
     }
 
     /// The topology found at start (NUMA node and CPUs nearest each device).
@@ -167,9 +207,10 @@ impl Runtime {
         &self.topology
     }
 
-    /// Which pools' memory which devices may access.
-    pub fn peer_matrix(&self) -> &PeerMatrix {
-        &self.peers
+    /// Which pools' memory which devices may access (rows of pools not
+    /// built yet grant nothing).
+    pub fn peer_matrix(&self) -> PeerMatrix {
+        self.peers.lock().clone()
     }
 
     /// What each device's maintenance thread did so far (empty when the
@@ -179,7 +220,8 @@ impl Runtime {
         self.maintenance.lock().stats()
     }
 
-    /// Pre-reserves `bytes` on every pool in parallel, so that the first
+    /// Pre-reserves `bytes` on every device in parallel (building every
+    /// pool), so that the first
     /// steps of a job do not grow the pools one chunk at a time: allocates
     /// and frees one block of `bytes` per device, then [settles](DevicePool::settle)
     /// the pool so that any stream may reuse the memory. Blocks the host
@@ -195,29 +237,47 @@ impl Runtime {
             size: bytes,
             why: "larger than the address space",
         })?;
-        self.pools
-            .par_iter()
-            .map(|p| {
-                let s = p.new_stream()?;
-                drop(p.alloc(size, &s)?);
-                drop(s);
-                p.settle()?;
-                Ok(p.stats().reserved_bytes.current)
-            })
-            .collect()
-    }
-
-    /// The pool of device `dev`.
-    pub fn device(&self, dev: usize) -> Result<&DevicePool> {
-        self.pools.get(dev).ok_or(Error::InvalidDevice {
-            device: dev,
-            count: self.pools.len(),
+        let pools = self.devices_result()?;
+        per_device(&pools, |p| {
+            let s = p.new_stream()?;
+            drop(p.alloc(size, &s)?);
+            drop(s);
+            p.settle()?;
+            Ok(p.stats().reserved_bytes.current)
         })
     }
 
-    /// All pools, by device index.
-    pub fn devices(&self) -> &[DevicePool] {
-        &self.pools
+    /// The pool of device `dev`, built on first use.
+    pub fn device(&self, dev: usize) -> Result<&DevicePool> {
+        let slot = self.pools.get(dev).ok_or(Error::InvalidDevice {
+            device: dev,
+            count: self.pools.len(),
+        })?;
+        match slot.get() {
+            Some(p) => Ok(p),
+            None => self.build_pool(dev),
+        }
+    }
+
+    /// Every pool, by device index, building those not used yet. Panics
+    /// if a pool cannot be built (see [`Runtime::try_devices`]).
+    pub fn devices(&self) -> Vec<&DevicePool> {
+        self.devices_result()
+            .unwrap_or_else(|e| panic!("building the device pools: {e}"))
+    }
+
+    /// Every pool, by device index, building those not used yet.
+    pub fn try_devices(&self) -> Result<Vec<&DevicePool>> {
+        self.devices_result()
+    }
+
+    fn devices_result(&self) -> Result<Vec<&DevicePool>> {
+        (0..self.pools.len()).map(|d| self.device(d)).collect()
+    }
+
+    /// The pools built so far (devices used), by device index.
+    pub fn active_devices(&self) -> Vec<&DevicePool> {
+        self.pools.iter().filter_map(OnceLock::get).collect()
     }
 
     /// Number of devices.
@@ -235,27 +295,44 @@ impl Runtime {
         &self.config
     }
 
-    /// Trims every pool in parallel; returns the bytes given back.
+    /// Trims every pool built so far, in parallel; returns the bytes
+    /// given back.
     pub fn trim(&self) -> Result<u64> {
-        // The pools trim on rayon's threads: empty this thread's magazines
-        // here first.
-        for p in self.pools.iter() {
+        let pools = self.active_devices();
+        // The pools trim on their own threads: empty this thread's
+        // magazines here first.
+        for p in &pools {
             p.flush_thread_cache();
         }
-        self.pools
-            .par_iter()
-            .map(|p| p.trim())
-            .try_reduce(|| 0, |a, b| Ok(a + b))
+        Ok(per_device(&pools, |p| p.trim())?.into_iter().sum())
     }
 
     /// Stops the maintenance threads and shuts every pool down: later
     /// calls fail with [`Error::Shutdown`].
     pub fn shutdown(&self) {
         self.maintenance.lock().stop();
-        for p in self.pools.iter() {
+        for p in self.active_devices() {
             p.shutdown();
         }
     }
+}
+
+/// Runs `f` on every pool, one scoped thread each (one pool: on this
+/// thread), and collects the results in device order.
+fn per_device<T: Send>(
+    pools: &[&DevicePool],
+    f: impl Fn(&DevicePool) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    if pools.len() <= 1 {
+        return pools.iter().map(|p| f(p)).collect();
+    }
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = pools.iter().map(|p| sc.spawn(|| f(p))).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
 }
 
 impl Drop for Runtime {

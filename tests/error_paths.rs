@@ -237,18 +237,21 @@ fn scenario(fault: Fault, n: u64) -> Outcome {
 fn every_n(fault: Fault) {
     let mut n = 1;
     let mut failures = 0;
+    let mut d_blocks = 0;
     loop {
         let o = scenario(fault, n);
         if !o.fired {
             break;
         }
         failures += o.c_failed as u64;
+        d_blocks += o.d_blocks;
         eprintln!("error_paths: {fault:?} #{n}: {o:?}");
         n += 1;
         assert!(n < 400, "the path never ran out of operations");
     }
     eprintln!(
-        "error_paths: {fault:?}: faults at {} positions, {failures} failed allocations, no corruption",
+        "error_paths: {fault:?}: faults at {} positions, {failures} failed allocations, \
+         {d_blocks} blocks taken after them, no corruption",
         n - 1
     );
     assert!(

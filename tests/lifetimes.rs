@@ -397,3 +397,51 @@ fn stream_retires_while_another_threads_cache_holds_its_slots() {
         assert_eq!(be.integrity_errors(0), 0);
     });
 }
+
+#[test]
+fn devices_start_on_first_use_and_the_device_limit_holds() {
+    let be = Arc::new(
+        SimBackend::new(SimConfig {
+            devices: 4,
+            ..Default::default()
+        })
+        .unwrap(),
+    );
+    let reserves = |be: &SimBackend| be.counters().get(gpupool::backend::Call::AddressReserve);
+    let rt = Runtime::with_backend(
+        be.clone(),
+        PoolConfig {
+            device_limit: Some(3),
+            ..PoolConfig::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(rt.device_count(), 3, "devices=3 on a 4-device backend");
+    assert!(
+        rt.active_devices().is_empty(),
+        "a pool was built before any use"
+    );
+    assert_eq!(reserves(&be), 0, "address space reserved at start-up");
+    assert!(
+        rt.maintenance_stats().is_empty(),
+        "threads started at start-up"
+    );
+    let dev = rt.device(2).unwrap();
+    let s = dev.new_stream().unwrap();
+    drop(dev.alloc(1 << 20, &s).unwrap());
+    assert_eq!(rt.active_devices().len(), 1);
+    assert_eq!(reserves(&be), 1, "one reservation, for the device in use");
+    assert_eq!(rt.maintenance_stats().len(), 1);
+    assert!(matches!(
+        rt.device(3),
+        Err(gpupool::Error::InvalidDevice {
+            device: 3,
+            count: 3
+        })
+    ));
+    drop(s);
+    rt.trim().unwrap();
+    assert_eq!(rt.devices().len(), 3);
+    drop(rt);
+    assert_eq!(be.used_bytes(2), 0);
+}

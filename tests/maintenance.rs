@@ -64,6 +64,9 @@ fn maintenance_threads_start_tick_harvest_and_stop() {
         .maintenance_tick(Duration::from_millis(1))
         .build()
         .unwrap();
+    // Pools (and their threads) start on first use.
+    assert!(maintenance_threads().is_empty());
+    assert_eq!(rt.devices().len(), 3);
     assert_eq!(
         wait_for_threads(3),
         ["gpupool-maint-0", "gpupool-maint-1", "gpupool-maint-2"]
@@ -98,6 +101,7 @@ fn maintenance_threads_start_tick_harvest_and_stop() {
 
     // Shutdown stops them too; the counts stay readable.
     let rt = Runtime::builder().backend(sim(2)).build().unwrap();
+    rt.devices();
     assert_eq!(wait_for_threads(2).len(), 2);
     rt.shutdown();
     assert!(threads_gone());
@@ -127,6 +131,9 @@ fn peer_matrix_and_warm_up() {
         .maintenance(false)
         .build()
         .unwrap();
+    // A pool's row is granted when the pool is built.
+    assert!(!rt.peer_matrix().can_access(0, 1));
+    rt.devices();
     let m = rt.peer_matrix();
     for d in 0..3 {
         for p in 0..3 {
@@ -151,6 +158,7 @@ fn peer_matrix_and_warm_up() {
         .peer_access(false)
         .build()
         .unwrap();
+    private.devices();
     assert!(!private.peer_matrix().can_access(0, 1));
     assert!(private.peer_matrix().can_access(1, 1));
 }

@@ -247,7 +247,7 @@ fn stress(setup: Setup) {
     let syncs_before = rt.backend().counters().host_syncs;
     let results: Vec<Arc<VerifyResult>> = std::thread::scope(|sc| {
         let mut handles = Vec::new();
-        for (d, dev) in rt.devices().iter().enumerate() {
+        for (d, dev) in rt.devices().into_iter().enumerate() {
             let all = &streams[d][..];
             for t in 0..setup.threads_per_device {
                 let own = &all[t * setup.streams_per_thread..(t + 1) * setup.streams_per_thread];
@@ -271,7 +271,7 @@ fn stress(setup: Setup) {
         syncs_before,
         "the pool blocked the host on the device during the run"
     );
-    for (d, dev) in rt.devices().iter().enumerate() {
+    for (d, dev) in rt.devices().into_iter().enumerate() {
         for s in &streams[d] {
             sim.sync_stream(d, s.handle()).unwrap();
         }
@@ -288,7 +288,7 @@ fn stress(setup: Setup) {
         totals.ooms.load(Relaxed)
     );
     assert!(it >= 100, "the run did too little work: {it} iterations");
-    for (d, dev) in rt.devices().iter().enumerate() {
+    for (d, dev) in rt.devices().into_iter().enumerate() {
         let st = dev.stats();
         eprintln!(
             "  device {d}: peak live {} MiB, peak reserved {} MiB, {} pending frees, {} handovers",
@@ -306,7 +306,7 @@ fn stress(setup: Setup) {
     }
     assert_eq!(bad, 0, "verify kernels saw corrupted bytes");
     rt.trim().unwrap();
-    for (d, dev) in rt.devices().iter().enumerate() {
+    for (d, dev) in rt.devices().into_iter().enumerate() {
         let st = dev.audit().unwrap_or_else(|e| panic!("device {d}: {e}"));
         assert_eq!(st.reserved_bytes.current, 0, "device {d}: {st:?}");
         assert_eq!(sim.used_bytes(d), 0, "device {d}: memory still held");

@@ -234,7 +234,7 @@ impl std::fmt::Display for TopoReport {
 
 fn info(common: &Common) -> Result<()> {
     let rt = common.runtime(SimConfig::default().devices)?;
-    let devices = rt.devices().iter().map(|p| p.info().clone()).collect();
+    let devices = rt.devices().into_iter().map(|p| p.info().clone()).collect();
     let size_classes = rt.device(0)?.size_classes().sizes().to_vec();
     let report = InfoReport {
         backend: rt.backend().name().into(),

@@ -1,6 +1,7 @@
 //! Per-device maintenance threads.
 //!
-//! The runtime starts one thread per pool, named `gpupool-maint-<dev>`. Each
+//! The runtime starts one thread per pool when it builds the pool, named
+//! `gpupool-maint-<dev>`. Each
 //! tick (`PoolConfig::maintenance_tick`, 5 ms by default) it calls
 //! [`DevicePool::maintain`] (harvest completed frees, idle clock, and
 //! whatever idle work the pool does there), then applies the idle release
@@ -20,6 +21,7 @@
 //! back at its next idle gap. Memory still in flight on the device goes on
 //! a later tick.
 
+use super::Pools;
 use crate::error::Result;
 use crate::pool::DevicePool;
 use crate::topology::Topology;
@@ -93,30 +95,27 @@ pub(crate) fn over_threshold(cached: u64, busy_peak: u64, fraction: f64) -> bool
 }
 
 impl Maintenance {
-    /// Starts one thread per pool, ticking every `tick`.
-    pub(crate) fn start(
-        pools: &Arc<Vec<DevicePool>>,
+    /// Starts the thread of device `dev`'s pool (built), ticking every
+    /// `tick`.
+    pub(crate) fn start_one(
+        &mut self,
+        pools: &Pools,
+        dev: usize,
         tick: Duration,
         topo: &Topology,
-    ) -> Result<Maintenance> {
-        let mut m = Maintenance::default();
-        for dev in 0..pools.len() {
-            let name = format!("gpupool-maint-{dev}");
-            let shared = Arc::new(Shared::default());
-            let cpus = bind_target(topo, dev);
-            let (p, s) = (pools.clone(), shared.clone());
-            let spawned = std::thread::Builder::new()
-                .name(name.clone())
-                .spawn(move || run(&p[dev], tick, &s, cpus));
-            match spawned {
-                Ok(h) => m.threads.push((name, dev, shared, Some(h))),
-                Err(e) => {
-                    m.stop();
-                    return Err(e.into());
-                }
-            }
-        }
-        Ok(m)
+    ) -> Result<()> {
+        let name = format!("gpupool-maint-{dev}");
+        let shared = Arc::new(Shared::default());
+        let cpus = bind_target(topo, dev);
+        let (p, s) = (pools.clone(), shared.clone());
+        let h = std::thread::Builder::new()
+            .name(name.clone())
+            .spawn(move || {
+                let pool = p[dev].get().expect("a pool is built before its thread");
+                run(pool, tick, &s, cpus)
+            })?;
+        self.threads.push((name, dev, shared, Some(h)));
+        Ok(())
     }
 
     /// What each thread did so far.

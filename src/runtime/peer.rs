@@ -5,6 +5,13 @@ use crate::error::Error;
 use crate::pool::DevicePool;
 use std::fmt;
 
+/// One pool's grants: `access[p]` for every device `p`, with notes.
+#[derive(Debug)]
+pub(crate) struct PeerRow {
+    access: Vec<bool>,
+    notes: Vec<String>,
+}
+
 /// Which device may access which pool's memory.
 #[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize)]
 pub struct PeerMatrix {
@@ -17,39 +24,45 @@ pub struct PeerMatrix {
 }
 
 impl PeerMatrix {
-    /// Enables access from every peer the backend allows to every pool.
+    /// Enables access to `pool`'s memory from every other device of `n`
+    /// that the backend allows: the pool's row of the matrix, with notes.
     /// Failures are recorded, not fatal: a pool without peers still works.
-    pub(crate) fn enable(backend: &dyn Backend, pools: &[DevicePool]) -> PeerMatrix {
-        let n = pools.len();
-        let mut m = PeerMatrix {
-            access: vec![vec![false; n]; n],
+    pub(crate) fn enable_row(backend: &dyn Backend, pool: &DevicePool, n: usize) -> PeerRow {
+        let d = pool.device();
+        let mut row = PeerRow {
+            access: (0..n).map(|p| p == d).collect(),
             notes: Vec::new(),
         };
-        for (d, pool) in pools.iter().enumerate() {
-            m.access[d][d] = true;
-            let mut peers = Vec::new();
-            for p in (0..n).filter(|&p| p != d) {
-                match backend.can_access_peer(p, d) {
-                    Ok(true) => peers.push(p),
-                    Ok(false) => m.notes.push(format!("device {p} cannot access device {d}")),
-                    Err(e) => m
-                        .notes
-                        .push(format!("cuDeviceCanAccessPeer({p}, {d}): {e}")),
-                }
-            }
-            if peers.is_empty() {
-                continue;
-            }
-            match pool.enable_peer_access(&peers) {
-                Ok(()) => peers.iter().for_each(|&p| m.access[d][p] = true),
-                Err(Error::Unsupported(why)) => m.notes.push(format!("device {d}: {why}")),
-                Err(e) => {
-                    tracing::warn!(device = d, "enabling peer access failed: {e}");
-                    m.notes.push(format!("device {d}: {e}"));
-                }
+        let mut peers = Vec::new();
+        for p in (0..n).filter(|&p| p != d) {
+            match backend.can_access_peer(p, d) {
+                Ok(true) => peers.push(p),
+                Ok(false) => row
+                    .notes
+                    .push(format!("device {p} cannot access device {d}")),
+                Err(e) => row
+                    .notes
+                    .push(format!("cuDeviceCanAccessPeer({p}, {d}): {e}")),
             }
         }
-        m
+        if peers.is_empty() {
+            return row;
+        }
+        match pool.enable_peer_access(&peers) {
+            Ok(()) => peers.iter().for_each(|&p| row.access[p] = true),
+            Err(Error::Unsupported(why)) => row.notes.push(format!("device {d}: {why}")),
+            Err(e) => {
+                tracing::warn!(device = d, "enabling peer access failed: {e}");
+                row.notes.push(format!("device {d}: {e}"));
+            }
+        }
+        row
+    }
+
+    /// Sets the row of device `dev` (its pool was just built).
+    pub(crate) fn set_row(&mut self, dev: usize, row: PeerRow) {
+        self.access[dev] = row.access;
+        self.notes.extend(row.notes);
     }
 
     /// Whether device `peer` may access the memory of device `dev`.

@@ -186,7 +186,7 @@ pub fn run(opts: &StressOptions, mut progress: impl FnMut(&Progress)) -> Result<
     let mut series = Vec::new();
     let per_thread: Vec<Vec<Result<ThreadTotals>>> = std::thread::scope(|sc| {
         let mut handles: Vec<Vec<_>> = Vec::new();
-        for (d, dev) in rt.devices().iter().enumerate() {
+        for (d, dev) in rt.devices().into_iter().enumerate() {
             let mut row = Vec::new();
             for t in 0..opts.threads {
                 let (all, shared, stop) = (&streams[d][..], &shared[d], &stop);
@@ -228,7 +228,7 @@ pub fn run(opts: &StressOptions, mut progress: impl FnMut(&Progress)) -> Result<
         .map(|row| row.into_iter().collect::<Result<Vec<_>>>())
         .collect::<Result<Vec<_>>>()?;
     // The harness's own syncs start here: every stream runs dry.
-    for (d, dev) in rt.devices().iter().enumerate() {
+    for (d, dev) in rt.devices().into_iter().enumerate() {
         for s in &streams[d] {
             sim.sync_stream(d, s.handle())?;
         }
@@ -375,7 +375,7 @@ fn build_report(
     let mut small_ns = worker::new_histogram();
     let mut large_ns = worker::new_histogram();
     let mut free_ns = worker::new_histogram();
-    for (d, dev) in rt.devices().iter().enumerate() {
+    for (d, dev) in rt.devices().into_iter().enumerate() {
         let st = dev.stats();
         let mut dr = DeviceStress {
             device: d,
@@ -410,7 +410,7 @@ fn build_report(
         r.per_device.push(dr);
     }
     rt.trim()?;
-    for (d, dev) in rt.devices().iter().enumerate() {
+    for (d, dev) in rt.devices().into_iter().enumerate() {
         let left = dev.stats().reserved_bytes.current.max(sim.used_bytes(d));
         r.per_device[d].leaked_bytes += left;
     }
