@@ -6,6 +6,11 @@
 #   export LD_LIBRARY_PATH="$(bash scripts/install-nvrtc.sh)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 #   GPUPOOL_REQUIRE_NVRTC=1 cargo test --test kernel_nvrtc
 #
+# gpupool also finds it without LD_LIBRARY_PATH: its own search reads
+# GPUPOOL_LIB_DIRS (`export GPUPOOL_LIB_DIRS="$(bash scripts/install-nvrtc.sh)"`)
+# and every site-packages/nvidia/*/lib of the machine's Python installs, and
+# logs the file it loaded (src/backend/cuda/libs.rs).
+#
 # Usage: scripts/install-nvrtc.sh [DIR]
 #   DIR                 where to install (default: $GPUPOOL_NVRTC_DIR, else
 #                       target/nvrtc in the repository)

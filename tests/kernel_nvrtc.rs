@@ -1,7 +1,9 @@
 //! The compaction kernel without a GPU.
 //!
-//! - `nvrtc_compiles_the_kernel`: compiles `kernels/compact.cu` to PTX with
-//!   NVRTC, as the CUDA backend does. Skipped, with the reason printed, where
+//! - `nvrtc_compiles_the_kernel`: compiles `kernels/compact.cu` with NVRTC,
+//!   as the CUDA backend does, to a cubin (for `sm_XY`) and PTX, and checks
+//!   their structure without depending on one NVVM's spelling. Skipped,
+//!   with the reason printed, where
 //!   libnvrtc cannot be loaded, unless `GPUPOOL_REQUIRE_NVRTC=1`; get it with
 //!   `export LD_LIBRARY_PATH="$(bash scripts/install-nvrtc.sh)"`.
 //! - `groups_equal_sequential_moves`: the host's batch splitting
@@ -52,6 +54,43 @@ fn nvrtc_compiles_the_harness_kernels() {
     }
 }
 
+/// Whether `ptx` moves 16 bytes per load or store somewhere: a 128-bit
+/// vector access, however this NVVM spells it (`ld.global.v4.u32`,
+/// `.v4.b32`, `.v2.u64`, `.v2.b64`, `.b128`, `.v8.b32` ...).
+fn has_16_byte_access(ptx: &str) -> bool {
+    ptx.lines().map(str::trim).any(|l| {
+        let access = l.starts_with("ld.") || l.starts_with("st.");
+        let op = l.split_whitespace().next().unwrap_or("");
+        access
+            && (op.contains(".b128")
+                || ["32", "64"].iter().any(|w| {
+                    let lanes = if *w == "32" { ".v4." } else { ".v2." };
+                    op.contains(lanes) && op.ends_with(w)
+                })
+                || op.contains(".v8."))
+    })
+}
+
+#[test]
+fn sixteen_byte_accesses_are_recognised_in_any_spelling() {
+    for l in [
+        "ld.global.v4.u32 {%r1, %r2, %r3, %r4}, [%rd1];",
+        "\tst.global.v4.b32 [%rd2], {%r1, %r2, %r3, %r4};",
+        "ld.global.nc.v2.u64 {%rd3, %rd4}, [%rd1];",
+        "st.global.v2.b64 [%rd2], {%rd3, %rd4};",
+        "ld.global.b128 %rq1, [%rd1];",
+    ] {
+        assert!(has_16_byte_access(l), "{l}");
+    }
+    for l in [
+        "ld.global.u32 %r1, [%rd1];",
+        "ld.global.v2.u32 {%r1, %r2}, [%rd1];",
+        "mov.b64 %rd1, %rd2;",
+    ] {
+        assert!(!has_16_byte_access(l), "{l}");
+    }
+}
+
 #[test]
 fn nvrtc_compiles_the_kernel() {
     if !kernel::nvrtc_available() {
@@ -61,27 +100,89 @@ fn nvrtc_compiles_the_kernel() {
         return;
     }
     let version = kernel::nvrtc_version().expect("nvrtcVersion");
+    let library = kernel::nvrtc_library_path().unwrap();
+    assert!(library.contains("libnvrtc"), "{library}");
+    eprintln!(
+        "kernel_nvrtc: NVRTC {}.{} from {library}",
+        version.0, version.1
+    );
     for arch in ["sm_90", "sm_80", "compute_75"] {
-        let ptx = kernel::compile_ptx(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let images = kernel::compile(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let ptx = images.ptx.to_str().expect("PTX is text");
         eprintln!(
-            "kernel_nvrtc: NVRTC {}.{} compiled compact.cu for {arch}: {} bytes of PTX",
-            version.0,
-            version.1,
-            ptx.len()
+            "kernel_nvrtc: compiled compact.cu for {arch}: {} bytes of PTX, {} bytes of cubin",
+            ptx.len(),
+            images.cubin.as_ref().map_or(0, Vec::len)
         );
+        assert_eq!(images.arch, arch);
         assert!(ptx.contains(".entry gpupool_compact"), "{arch}: no entry");
         let target = arch.replace("compute_", "sm_");
         assert!(ptx.contains(&format!(".target {target}")), "{arch}: target");
         // 16-byte vector copies, and the by-value batch read from parameter
         // space rather than copied to per-thread local memory.
-        assert!(ptx.contains(".v4.u32"), "{arch}: no 16-byte loads/stores");
+        assert!(has_16_byte_access(ptx), "{arch}: no 16-byte loads/stores");
         assert!(!ptx.contains(".local"), "{arch}: uses local memory");
+        // A real architecture gets machine code too (an ELF image, which
+        // is what the backend loads first); a virtual one only PTX.
+        match &images.cubin {
+            Some(cubin) => {
+                assert!(arch.starts_with("sm_"), "{arch}: cubin for a virtual arch");
+                assert_eq!(&cubin[..4], b"\x7fELF", "{arch}: cubin is not ELF");
+                assert!(cubin.len() > 1024, "{arch}: cubin of {} bytes", cubin.len());
+            }
+            None => assert!(arch.starts_with("compute_"), "{arch}: no cubin"),
+        }
+        assert_eq!(kernel::compile_ptx(arch).unwrap(), ptx);
         if arch == "sm_90" {
             let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gpupool_compact.sm_90.ptx");
-            std::fs::write(&out, &ptx).unwrap();
+            std::fs::write(&out, ptx).unwrap();
             eprintln!("kernel_nvrtc: PTX written to {}", out.display());
         }
     }
+}
+
+/// NVRTC is found where Python wheels put it with nothing on the loader
+/// path: a child run of this test binary, with `LD_LIBRARY_PATH` removed
+/// and `GPUPOOL_LIB_DIRS` naming the folder the library is in, loads it
+/// from there and compiles.
+#[test]
+fn nvrtc_is_found_off_the_loader_path() {
+    if !kernel::nvrtc_available() {
+        assert!(!require_nvrtc(), "GPUPOOL_REQUIRE_NVRTC=1 but no libnvrtc");
+        eprintln!("kernel_nvrtc: SKIPPED: libnvrtc could not be loaded");
+        return;
+    }
+    let library = kernel::nvrtc_library_path().unwrap();
+    let dir = Path::new(&library).parent().unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "nvrtc_probe", "--ignored", "--nocapture"])
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("GPUPOOL_NVRTC_LIB")
+        .env("GPUPOOL_LIB_DIRS", dir)
+        .env("GPUPOOL_PROBE_DIR", dir)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "child failed:\n{text}");
+    assert!(text.contains("1 passed"), "the probe did not run:\n{text}");
+}
+
+/// The child of [`nvrtc_is_found_off_the_loader_path`].
+#[test]
+#[ignore = "run as a child process by nvrtc_is_found_off_the_loader_path"]
+fn nvrtc_probe() {
+    let want = std::env::var("GPUPOOL_PROBE_DIR").expect("GPUPOOL_PROBE_DIR");
+    let library = kernel::nvrtc_library_path().unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        Path::new(&library).starts_with(&want),
+        "{library} is not in {want}"
+    );
+    let images = kernel::compile("sm_90").unwrap();
+    assert!(images.cubin.is_some());
 }
 
 /// SplitMix64: a small deterministic generator for the random batches.

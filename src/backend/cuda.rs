@@ -11,21 +11,32 @@
 //!
 //! Each device is driven through its primary context, retained in `new` and
 //! released on drop. Every method makes that context current on the calling
-//! thread first.
+//! thread for its driver calls only, and makes the caller's own context (or
+//! none) current again before it returns (see `ctx::CtxGuard`): a PyTorch
+//! free of a `cuda:1` tensor while PyTorch's current device is 0 leaves it
+//! at 0.
+//!
+//! Out-of-memory from `cuMemCreate`, `cuMemAlloc`, `cuMemMap` and
+//! `cuMemSetAccess` is [`Error::DeviceOutOfMemory`] (so
+//! [`Error::is_oom`] holds and the pool trims and retries), never a generic
+//! [`Error::Backend`].
 
 mod baseline;
+mod ctx;
 pub mod kernel;
+pub mod libs;
 
 use super::move_groups::{self, split_move};
 use super::{Backend, BackendCounters, Call, CallCounters, DeviceInfo, Move};
 use crate::error::{Error, Result};
 use crate::ptr::{ChunkHandle, DevicePtr, EventHandle, StreamHandle};
 use cudarc::driver::sys;
+use parking_lot::Mutex;
 use std::any::Any;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
-use std::sync::OnceLock;
+use std::sync::Arc;
 
 /// Granularity reported for devices without VMM, where the driver cannot be
 /// asked (`cuMemAlloc` has no granularity; 2 MiB is CUDA's large page).
@@ -70,13 +81,14 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuStreamSynchronize",
     "cuMemsetD8Async",
     "cuMemcpyDtoH_v2",
-    "cuMemcpyHtoD_v2",
+    "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoDAsync_v2",
+    "cuDriverGetVersion",
 ];
 
-/// A primary context handle, shareable between threads.
-#[derive(Debug, Clone, Copy)]
-struct Ctx(sys::CUcontext);
+/// A context handle (null: none), shareable between threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ctx(sys::CUcontext);
 
 // SAFETY: a CUcontext is an opaque driver handle, not memory Rust reads or
 // writes. The driver API is thread safe and a context may be made current on
@@ -92,9 +104,28 @@ struct Device {
     cu: sys::CUdevice,
     ctx: Ctx,
     info: DeviceInfo,
-    /// The compaction kernel, loaded on first use; `None` where it cannot
-    /// be (no NVRTC, PTX the driver refuses): moves then use copies.
-    kernel: OnceLock<Option<kernel::CompactKernel>>,
+    /// The compaction kernel, loaded in the background after the first
+    /// need; an error where it cannot be (no NVRTC, no image the driver
+    /// accepts): moves then use copies.
+    kernel: Arc<kernel::KernelSlot>,
+    /// The stream host-to-device copies run on (0 until the first copy),
+    /// locked across each copy and its synchronize.
+    copy_stream: Mutex<usize>,
+}
+
+/// A device whose primary context is current on this thread until this is
+/// dropped, when the caller's context is current again.
+#[must_use = "the device's context is current only while this lives"]
+struct Entered<'a> {
+    device: &'a Device,
+    _cx: ctx::CtxGuard<'static, ctx::Driver>,
+}
+
+impl std::ops::Deref for Entered<'_> {
+    type Target = Device;
+    fn deref(&self) -> &Device {
+        self.device
+    }
 }
 
 /// [`Backend`] over the CUDA driver API (feature `cuda`).
@@ -107,13 +138,18 @@ pub struct CudaBackend {
     counters: CallCounters,
 }
 
-/// The driver's name for `r` (`CUDA_ERROR_OUT_OF_MEMORY`), or its Debug form.
+/// The driver's name for `r` (`CUDA_ERROR_OUT_OF_MEMORY`), or its Debug form
+/// (also where no driver is loaded).
 fn error_name(r: sys::CUresult) -> String {
     let mut p: *const c_char = ptr::null();
     // SAFETY: `p` is a valid out-pointer; cuGetErrorName writes a pointer to
-    // a static NUL-terminated string or leaves it untouched on failure, and
-    // the symbol was resolved in `new` before any call reaches here.
-    let rc = unsafe { sys::cuGetErrorName(r, &mut p) };
+    // a static NUL-terminated string or leaves it untouched on failure. A
+    // missing library or symbol panics in cudarc's loader before any
+    // foreign call, and is caught.
+    let rc = catch_unwind(AssertUnwindSafe(|| unsafe {
+        sys::cuGetErrorName(r, &mut p)
+    }))
+    .unwrap_or(sys::CUresult::CUDA_ERROR_NOT_INITIALIZED);
     if rc == sys::CUresult::CUDA_SUCCESS && !p.is_null() {
         // SAFETY: on success `p` points to a static NUL-terminated string
         // owned by the driver that lives as long as the library.
@@ -129,6 +165,16 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
         Ok(())
     } else {
         Err(Error::backend(call, error_name(r)))
+    }
+}
+
+/// Like [`check`] for a call that takes device memory: out-of-memory is the
+/// error `oom` builds (an [`Error::is_oom`] one), not [`Error::Backend`].
+fn check_mem(call: &'static str, r: sys::CUresult, oom: impl FnOnce() -> Error) -> Result<()> {
+    if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        Err(oom())
+    } else {
+        check(call, r)
     }
 }
 
@@ -276,12 +322,40 @@ impl CudaBackend {
                     granularity: FALLBACK_GRANULARITY,
                     vmm_supported: false,
                 },
-                kernel: OnceLock::new(),
+                kernel: Arc::default(),
+                copy_stream: Mutex::new(0),
             });
             let info = Self::query_info(index, cu)?;
             this.devices[index].info = info;
         }
+        let mut version: c_int = 0;
+        // SAFETY: `version` is a valid out-pointer.
+        let _ = unsafe { sys::cuDriverGetVersion(&mut version) };
+        tracing::info!(
+            library = %Self::driver_library_path().unwrap_or_else(|| "(unknown file)".into()),
+            version = format!("{}.{}", version / 1000, version % 1000 / 10),
+            devices = this.devices.len(),
+            "CUDA driver loaded"
+        );
+        // Finds (and logs) NVRTC now, so that the open says which library
+        // the kernel will come from; compiling waits for the first need.
+        if let Err(why) = kernel::nvrtc_library_path() {
+            tracing::info!("NVRTC unavailable ({why}); compaction moves will use copies");
+        }
         Ok(this)
+    }
+
+    /// The file the driver library was loaded from (`libcuda.so.580.65.06`).
+    pub fn driver_library_path() -> Option<String> {
+        catch_unwind(|| {
+            // SAFETY: `new` opened the library; a lookup only, never a call.
+            let lib = unsafe { sys::culib() };
+            // SAFETY: as above.
+            let f = unsafe { lib.get::<unsafe extern "C" fn()>(b"cuInit") }.ok()?;
+            libs::file_of(*f as *const c_void)
+        })
+        .ok()
+        .flatten()
     }
 
     /// Resolves every symbol in [`REQUIRED_SYMBOLS`].
@@ -343,25 +417,25 @@ impl CudaBackend {
         })
     }
 
-    /// Device `dev`, with its primary context made current on this thread.
-    fn enter(&self, dev: usize) -> Result<&Device> {
-        let d = self.devices.get(dev).ok_or(Error::InvalidDevice {
+    /// Device `dev`, with its primary context current on this thread until
+    /// the returned guard drops and makes the caller's context current
+    /// again. The current context is asked for on each entry rather than
+    /// cached: other code on the thread (a framework, another library) may
+    /// switch contexts between calls, and `cuCtxGetCurrent` is a
+    /// thread-local read in the driver.
+    fn enter(&self, dev: usize) -> Result<Entered<'_>> {
+        let d = self.device(dev)?;
+        // `d.ctx` is a primary context retained in `new` and released only
+        // in `drop`, so it is live while `self` is.
+        let cx = ctx::CtxGuard::enter(&ctx::Driver, d.ctx)?;
+        Ok(Entered { device: d, _cx: cx })
+    }
+
+    fn device(&self, dev: usize) -> Result<&Device> {
+        self.devices.get(dev).ok_or(Error::InvalidDevice {
             device: dev,
             count: self.devices.len(),
-        })?;
-        // The current context is asked for rather than cached in a
-        // thread_local: other code on the thread (a framework, another
-        // library) may switch contexts behind our back, and cuCtxGetCurrent
-        // is a thread-local read in the driver.
-        let mut cur: sys::CUcontext = ptr::null_mut();
-        // SAFETY: `cur` is a valid out-pointer.
-        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut cur) })?;
-        if cur != d.ctx.0 {
-            // SAFETY: `d.ctx` is a primary context retained in `new` and
-            // released only in `drop`, so it is live while `self` is.
-            check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(d.ctx.0) })?;
-        }
-        Ok(d)
+        })
     }
 
     /// The device-level out-of-memory error for a request of `requested`.
@@ -383,29 +457,37 @@ impl CudaBackend {
         }
     }
 
-    /// The compaction kernel of `d` (whose context is current), loading it
-    /// on first use; `None`, logged once, where it cannot be loaded.
-    fn kernel(dev: usize, d: &Device) -> Option<&kernel::CompactKernel> {
-        d.kernel
-            .get_or_init(|| match kernel::CompactKernel::load(d.cu) {
-                Ok(k) => {
-                    tracing::debug!(device = dev, "compaction kernel loaded");
-                    Some(k)
-                }
-                Err(e) => {
-                    kernel::warn_fallback(dev, &e);
-                    None
-                }
-            })
-            .as_ref()
-    }
-
     /// Whether [`Backend::enqueue_moves`] on `dev` runs the compaction
     /// kernel (`true`) or falls back to `cuMemcpyDtoDAsync` copies. Loads
-    /// (compiling with NVRTC) the kernel if that was not done yet.
+    /// the kernel (compiling it with NVRTC) if that was not done yet,
+    /// waiting for it: call it outside any pool lock (benchmarks, tests,
+    /// warm-up), never from a pool's own path.
     pub fn move_kernel_ready(&self, dev: usize) -> Result<bool> {
+        Ok(self.move_kernel_info(dev)?.is_ok())
+    }
+
+    /// How `dev`'s compaction kernel was loaded (architecture, cubin or
+    /// PTX, the NVRTC library), or why it could not be; waits for the load
+    /// like [`CudaBackend::move_kernel_ready`].
+    pub fn move_kernel_info(
+        &self,
+        dev: usize,
+    ) -> Result<std::result::Result<kernel::KernelInfo, Error>> {
+        let d = self.device(dev)?;
+        Ok(match d.kernel.load_now(dev, d.cu, d.ctx) {
+            Ok(k) => Ok(k.info.clone()),
+            Err(e) => Err(e.clone()),
+        })
+    }
+
+    /// Loads one kind of kernel image (cubin or PTX, compiled for `dev`'s
+    /// architecture) into `dev`'s context and finds the kernel in it,
+    /// without using it: whether this driver accepts that image from this
+    /// NVRTC. For the GPU check; the module stays loaded until the context
+    /// goes.
+    pub fn try_load_move_kernel(&self, dev: usize, kind: kernel::ImageKind) -> Result<()> {
         let d = self.enter(dev)?;
-        Ok(Self::kernel(dev, d).is_some())
+        kernel::CompactKernel::load(d.cu, Some(kind)).map(|_| ())
     }
 
     fn require_vmm(dev: usize, d: &Device) -> Result<()> {
@@ -433,6 +515,17 @@ impl CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         for d in &self.devices {
+            // A kernel load in flight uses the context: let it finish.
+            d.kernel.join();
+            let s = std::mem::take(&mut *d.copy_stream.lock());
+            if s != 0 {
+                if let Ok(_cx) = ctx::CtxGuard::enter(&ctx::Driver, d.ctx) {
+                    // SAFETY: the copy stream was created by this backend
+                    // in this context, is idle (every copy synchronized it)
+                    // and is destroyed once (taken out of the slot).
+                    let _ = unsafe { sys::cuStreamDestroy_v2(s as sys::CUstream) };
+                }
+            }
             // SAFETY: each device's primary context was retained exactly once
             // in `new`; this is the matching release. A failure is ignored:
             // nothing useful can be done about it in drop.
@@ -477,22 +570,19 @@ impl Backend for CudaBackend {
 
     fn create_chunk(&self, dev: usize, bytes: u64) -> Result<ChunkHandle> {
         let d = self.enter(dev)?;
-        Self::require_vmm(dev, d)?;
+        Self::require_vmm(dev, &d)?;
         let prop = pinned_prop(d.cu);
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         self.counters.count(Call::MemCreate);
         // SAFETY: `h` is a valid out-pointer and `prop` a fully initialised
         // property struct that outlives the call.
         let r = unsafe { sys::cuMemCreate(&mut h, bytes as usize, &prop, 0) };
-        if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-            return Err(self.oom(dev, d, bytes));
-        }
-        check("cuMemCreate", r)?;
+        check_mem("cuMemCreate", r, || self.oom(dev, &d, bytes))?;
         Ok(ChunkHandle(h))
     }
 
     fn release_chunk(&self, dev: usize, chunk: ChunkHandle) -> Result<()> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         self.counters.count(Call::MemRelease);
         // SAFETY: the driver validates the handle; releasing memory that is
         // still mapped only drops the handle's reference, no Rust memory is
@@ -506,15 +596,12 @@ impl Backend for CudaBackend {
         self.counters.count(Call::MemAlloc);
         // SAFETY: `p` is a valid out-pointer.
         let r = unsafe { sys::cuMemAlloc_v2(&mut p, bytes as usize) };
-        if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-            return Err(self.oom(dev, d, bytes));
-        }
-        check("cuMemAlloc", r)?;
+        check_mem("cuMemAlloc", r, || self.oom(dev, &d, bytes))?;
         Ok(DevicePtr(p))
     }
 
     fn free_segment(&self, dev: usize, ptr: DevicePtr) -> Result<()> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         self.counters.count(Call::MemFree);
         // SAFETY: device memory is not host memory; the driver validates the
         // address and fails on one it did not hand out.
@@ -523,7 +610,7 @@ impl Backend for CudaBackend {
 
     fn reserve_va(&self, dev: usize, bytes: u64) -> Result<DevicePtr> {
         let d = self.enter(dev)?;
-        Self::require_vmm(dev, d)?;
+        Self::require_vmm(dev, &d)?;
         let mut p: sys::CUdeviceptr = 0;
         self.counters.count(Call::AddressReserve);
         // SAFETY: `p` is a valid out-pointer; no fixed address is requested.
@@ -534,7 +621,7 @@ impl Backend for CudaBackend {
     }
 
     fn free_va(&self, dev: usize, base: DevicePtr, bytes: u64) -> Result<()> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         self.counters.count(Call::AddressFree);
         // SAFETY: only device address space is released; the driver
         // validates the range.
@@ -552,18 +639,17 @@ impl Backend for CudaBackend {
         chunk_offset: u64,
     ) -> Result<()> {
         let d = self.enter(dev)?;
-        Self::require_vmm(dev, d)?;
+        Self::require_vmm(dev, &d)?;
         self.counters.count(Call::Map);
         // SAFETY: maps device memory into device address space; the driver
         // validates the range, handle and offset.
-        check("cuMemMap", unsafe {
-            sys::cuMemMap(va.0, bytes as usize, chunk_offset as usize, chunk.0, 0)
-        })?;
+        let r = unsafe { sys::cuMemMap(va.0, bytes as usize, chunk_offset as usize, chunk.0, 0) };
+        check_mem("cuMemMap", r, || self.oom(dev, &d, bytes))?;
         let desc = rw_access(d.cu);
         self.counters.count(Call::SetAccess);
         // SAFETY: `desc` is one initialised descriptor, and count 1 is passed.
         let r = unsafe { sys::cuMemSetAccess(va.0, bytes as usize, &desc, 1) };
-        if let Err(e) = check("cuMemSetAccess", r) {
+        if let Err(e) = check_mem("cuMemSetAccess", r, || self.oom(dev, &d, bytes)) {
             // Leave nothing half done: a mapping without access is useless.
             self.counters.count(Call::Unmap);
             // SAFETY: the range was mapped just above.
@@ -575,7 +661,7 @@ impl Backend for CudaBackend {
 
     fn map_run(&self, dev: usize, va: DevicePtr, gran: u64, chunks: &[ChunkHandle]) -> Result<()> {
         let d = self.enter(dev)?;
-        Self::require_vmm(dev, d)?;
+        Self::require_vmm(dev, &d)?;
         // The first `n` chunks of the run were mapped by this call.
         let undo = |n: usize| {
             let _ = self.unmap_run(dev, va, gran, n as u64);
@@ -585,7 +671,7 @@ impl Backend for CudaBackend {
             // SAFETY: maps device memory into device address space; the
             // driver validates the range, handle and offset.
             let r = unsafe { sys::cuMemMap(va.0 + i as u64 * gran, gran as usize, 0, c.0, 0) };
-            if let Err(e) = check("cuMemMap", r) {
+            if let Err(e) = check_mem("cuMemMap", r, || self.oom(dev, &d, gran)) {
                 undo(i);
                 return Err(e);
             }
@@ -596,7 +682,7 @@ impl Backend for CudaBackend {
         // SAFETY: `desc` is one initialised descriptor, and count 1 is
         // passed; the range is fully mapped just above.
         let r = unsafe { sys::cuMemSetAccess(va.0, bytes, &desc, 1) };
-        if let Err(e) = check("cuMemSetAccess", r) {
+        if let Err(e) = check_mem("cuMemSetAccess", r, || self.oom(dev, &d, bytes as u64)) {
             undo(chunks.len());
             return Err(e);
         }
@@ -604,7 +690,7 @@ impl Backend for CudaBackend {
     }
 
     fn unmap(&self, dev: usize, va: DevicePtr, bytes: u64) -> Result<()> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         self.counters.count(Call::Unmap);
         // SAFETY: only device address space is affected; the driver
         // validates the range.
@@ -624,14 +710,14 @@ impl Backend for CudaBackend {
         }
         self.counters.count(Call::SetAccess);
         // SAFETY: `descs` holds `descs.len()` initialised descriptors and
-        // lives across the call.
-        check("cuMemSetAccess", unsafe {
-            sys::cuMemSetAccess(va.0, bytes as usize, descs.as_ptr(), descs.len())
-        })
+        // lives across the call. One call covers the whole range, however
+        // many mappings it spans (the driver requires them all mapped).
+        let r = unsafe { sys::cuMemSetAccess(va.0, bytes as usize, descs.as_ptr(), descs.len()) };
+        check_mem("cuMemSetAccess", r, || self.oom(dev, &d, bytes))
     }
 
     fn create_stream(&self, dev: usize) -> Result<StreamHandle> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         let mut s: sys::CUstream = ptr::null_mut();
         self.counters.count(Call::StreamCreate);
         // SAFETY: `s` is a valid out-pointer.
@@ -645,7 +731,7 @@ impl Backend for CudaBackend {
     }
 
     fn destroy_stream(&self, dev: usize, stream: StreamHandle) -> Result<()> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         if stream.0 == 0 {
             return Err(Error::InvalidHandle(
                 "the default stream cannot be destroyed".into(),
@@ -659,7 +745,7 @@ impl Backend for CudaBackend {
     }
 
     fn create_event(&self, dev: usize) -> Result<EventHandle> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         let mut e: sys::CUevent = ptr::null_mut();
         self.counters.count(Call::EventCreate);
         // SAFETY: `e` is a valid out-pointer.
@@ -673,7 +759,7 @@ impl Backend for CudaBackend {
     }
 
     fn destroy_event(&self, dev: usize, event: EventHandle) -> Result<()> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         let e = event_of(event)?;
         self.counters.count(Call::EventDestroy);
         // SAFETY: the handle is non-null and the driver validates it.
@@ -681,7 +767,7 @@ impl Backend for CudaBackend {
     }
 
     fn record_event(&self, dev: usize, event: EventHandle, stream: StreamHandle) -> Result<()> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         let e = event_of(event)?;
         self.counters.count(Call::EventRecord);
         // SAFETY: opaque handles, validated by the driver.
@@ -691,7 +777,7 @@ impl Backend for CudaBackend {
     }
 
     fn query_event(&self, dev: usize, event: EventHandle) -> Result<bool> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         let e = event_of(event)?;
         self.counters.count(Call::EventQuery);
         // SAFETY: an opaque handle, validated by the driver.
@@ -704,7 +790,7 @@ impl Backend for CudaBackend {
     }
 
     fn sync_event(&self, dev: usize, event: EventHandle) -> Result<()> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         let e = event_of(event)?;
         self.counters.count(Call::EventSynchronize);
         self.counters.count_host_sync(dev);
@@ -718,7 +804,7 @@ impl Backend for CudaBackend {
         stream: StreamHandle,
         event: EventHandle,
     ) -> Result<()> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         let e = event_of(event)?;
         self.counters.count(Call::StreamWaitEvent);
         // SAFETY: opaque handles, validated by the driver; flags must be 0.
@@ -728,7 +814,7 @@ impl Backend for CudaBackend {
     }
 
     fn sync_stream(&self, dev: usize, stream: StreamHandle) -> Result<()> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         self.counters.count(Call::StreamSynchronize);
         self.counters.count_host_sync(dev);
         // SAFETY: an opaque handle (null: the legacy default stream),
@@ -742,9 +828,10 @@ impl Backend for CudaBackend {
     /// moves (see [`kernel`]), or, where the kernel cannot be loaded, one
     /// `cuMemcpyDtoDAsync` per move (more for a move that overlaps itself),
     /// all in order on `stream`. Either way the batch has in-order `memmove`
-    /// semantics and the host never waits on the device (the first call on
-    /// a device compiles the kernel with NVRTC, host work of well under a
-    /// second).
+    /// semantics and the host never waits on the device, nor on NVRTC: the
+    /// first call on a device starts compiling and loading the kernel on a
+    /// background thread and uses the copies until it is loaded (see
+    /// [`kernel`]).
     fn enqueue_moves(&self, dev: usize, stream: StreamHandle, moves: &[Move]) -> Result<()> {
         let d = self.enter(dev)?;
         move_groups::validate(moves)?;
@@ -753,7 +840,7 @@ impl Backend for CudaBackend {
         }
         self.counters.count(Call::LaunchMoves);
         let s = stream_of(stream);
-        if let Some(k) = Self::kernel(dev, d) {
+        if let Some(Ok(k)) = d.kernel.get_or_start(dev, d.cu, d.ctx) {
             return k.enqueue(s, moves);
         }
         // A stream runs its work in order, so a move reading what an
@@ -781,7 +868,7 @@ impl Backend for CudaBackend {
         bytes: u64,
         value: u8,
     ) -> Result<()> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         self.counters.count(Call::MemsetAsync);
         // SAFETY: fills device memory only; the driver validates the range
         // and the stream.
@@ -794,7 +881,7 @@ impl Backend for CudaBackend {
     /// enqueued on streams from [`Backend::create_stream`] (non-blocking) is
     /// not waited for, so sync that stream first.
     fn copy_to_host(&self, dev: usize, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         if dst.is_empty() {
             return Ok(());
         }
@@ -808,21 +895,51 @@ impl Backend for CudaBackend {
         })
     }
 
-    /// Synchronous; see [`CudaBackend::copy_to_host`] for ordering with
-    /// non-blocking streams.
+    /// Complete on return: the bytes are in device memory before any work
+    /// enqueued afterwards, on any stream, can read them.
+    ///
+    /// `cuMemcpyHtoD` from pageable memory may return once the bytes are
+    /// staged, before the DMA lands, and only the legacy default stream is
+    /// ordered after it: a kernel enqueued next on one of the pool's
+    /// non-blocking streams could read stale bytes. So the copy is enqueued
+    /// (`cuMemcpyHtoDAsync`) on a stream of the backend's own, created on
+    /// the first copy (a blocking stream, so it still follows earlier work
+    /// on the legacy default stream, as `cuMemcpyHtoD` did), and that
+    /// stream is synchronized before returning: one host-blocking sync,
+    /// counted, which only waits for this copy (and legacy-stream work),
+    /// not for the pool's streams.
     fn copy_from_host(&self, dev: usize, dst: DevicePtr, src: &[u8]) -> Result<()> {
-        self.enter(dev)?;
+        let d = self.enter(dev)?;
         if src.is_empty() {
             return Ok(());
         }
+        let mut slot = d.copy_stream.lock();
+        if *slot == 0 {
+            let mut s: sys::CUstream = ptr::null_mut();
+            self.counters.count(Call::StreamCreate);
+            // SAFETY: `s` is a valid out-pointer; the device's context is
+            // current.
+            check("cuStreamCreate", unsafe {
+                sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_DEFAULT as c_uint)
+            })?;
+            *slot = s as usize;
+        }
+        let s = *slot as sys::CUstream;
         self.counters.count(Call::MemcpyHtoD);
+        self.counters.count(Call::StreamSynchronize);
         self.counters.count_host_sync(dev);
         // SAFETY: `src` is a live host buffer of `src.len()` bytes, only
-        // read, and the driver has consumed it when the synchronous call
-        // returns.
-        check("cuMemcpyHtoD", unsafe {
-            sys::cuMemcpyHtoD_v2(dst.0, src.as_ptr().cast::<c_void>(), src.len())
-        })
+        // read; the driver stages pageable memory before returning, and the
+        // stream is synchronized below before the borrow ends either way.
+        let r = unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst.0, src.as_ptr().cast::<c_void>(), src.len(), s)
+        };
+        // Synchronized even after an error: nothing of this call may still
+        // read `src` once it returns.
+        // SAFETY: the backend's own live stream of this device.
+        let sync = unsafe { sys::cuStreamSynchronize(s) };
+        check("cuMemcpyHtoDAsync", r)?;
+        check("cuStreamSynchronize", sync)
     }
 
     fn counters(&self) -> BackendCounters {
@@ -843,6 +960,30 @@ pub fn open() -> Result<std::sync::Arc<dyn crate::backend::Backend>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Out-of-memory from a mapping call is an out-of-memory error (the
+    /// pool trims and retries on those), anything else a backend error
+    /// naming the call; no driver is needed to tell them apart.
+    #[test]
+    fn out_of_memory_from_map_calls_is_oom() {
+        let oom = || Error::DeviceOutOfMemory {
+            device: 1,
+            requested: 2 << 20,
+            used: 0,
+            capacity: 1,
+        };
+        for call in ["cuMemMap", "cuMemSetAccess", "cuMemCreate", "cuMemAlloc"] {
+            let e = check_mem(call, sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY, oom).unwrap_err();
+            assert!(e.is_oom(), "{call}: {e:?}");
+            let e = check_mem(call, sys::CUresult::CUDA_ERROR_INVALID_VALUE, oom).unwrap_err();
+            assert!(!e.is_oom());
+            assert!(
+                matches!(e, Error::Backend { call: c, .. } if c == call),
+                "{e:?}"
+            );
+        }
+        assert!(check_mem("cuMemMap", sys::CUresult::CUDA_SUCCESS, oom).is_ok());
+    }
 
     /// Without a driver `new` is a typed error, never a panic; with one, it
     /// finds devices (or, on a machine with the library but no GPU, says so

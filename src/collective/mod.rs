@@ -29,7 +29,7 @@ mod nccl;
 
 pub use host::HostAllReduce;
 #[cfg(feature = "nccl")]
-pub use nccl::NcclAllReduce;
+pub use nccl::{nccl_library_path, NcclAllReduce};
 
 use crate::error::{Error, Result};
 use crate::ptr::{DevicePtr, StreamHandle};

@@ -1600,12 +1600,22 @@ impl Heap {
                 "peer access to plain segments (no VMM)".into(),
             ));
         };
-        for (g, gr) in granules.iter().enumerate() {
-            if gr.chunk.is_some() {
-                let va = *base + g as u64 * self.gran;
-                self.backend
-                    .set_access(self.dev, DevicePtr(va), self.gran, peers)?;
+        // One grant per run of mapped granules: access is set per address
+        // range, and one call may span every mapping in it.
+        let mut g = 0;
+        while g < granules.len() {
+            if granules[g].chunk.is_none() {
+                g += 1;
+                continue;
             }
+            let start = g;
+            while g < granules.len() && granules[g].chunk.is_some() {
+                g += 1;
+            }
+            let va = *base + start as u64 * self.gran;
+            let bytes = (g - start) as u64 * self.gran;
+            self.backend
+                .set_access(self.dev, DevicePtr(va), bytes, peers)?;
         }
         self.peers = peers.to_vec();
         Ok(())

@@ -23,7 +23,7 @@ const ASYNC_SYMBOLS: &[&str] = &["cuMemAllocAsync", "cuMemFreeAsync"];
 impl CudaBackend {
     /// Time of `iters` `cuMemAlloc` + `cuMemFree` pairs of `bytes` on `dev`.
     pub fn time_mem_alloc_pairs(&self, dev: usize, bytes: u64, iters: u32) -> Result<Duration> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         let start = Instant::now();
         for _ in 0..iters {
             let mut p: sys::CUdeviceptr = 0;
@@ -49,7 +49,7 @@ impl CudaBackend {
         iters: u32,
     ) -> Result<Duration> {
         resolve_symbols(ASYNC_SYMBOLS)?;
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         let s = stream_of(stream);
         let start = Instant::now();
         for _ in 0..iters {
@@ -82,7 +82,7 @@ impl CudaBackend {
         bytes: u64,
         iters: u32,
     ) -> Result<Duration> {
-        self.enter(dev)?;
+        let _cx = self.enter(dev)?;
         let s = stream_of(stream);
         let start = Instant::now();
         for _ in 0..iters {
