@@ -445,3 +445,59 @@ fn devices_start_on_first_use_and_the_device_limit_holds() {
     drop(rt);
     assert_eq!(be.used_bytes(2), 0);
 }
+
+#[test]
+fn a_block_recorded_on_one_threads_default_stream_is_freed_on_another() {
+    watchdog("per-thread-record", || {
+        let be = sim(256 * MIB);
+        let rt = runtime(&be);
+        let dev = rt.device(0).unwrap();
+        let main = dev.new_stream().unwrap();
+        let other = dev.new_stream().unwrap();
+        for size in [4096usize, 6 << 20] {
+            let n = (size as u64).min(64 << 10);
+            let blk = dev.alloc(size, &main).unwrap();
+            // Thread A uses the block late on its per-thread default stream.
+            std::thread::scope(|sc| {
+                sc.spawn(|| {
+                    let mine = dev.stream_from_raw(StreamHandle::PER_THREAD);
+                    be.launch_write_pattern(
+                        0,
+                        mine.handle(),
+                        blk.ptr(),
+                        n,
+                        3,
+                        Duration::from_millis(80),
+                    )
+                    .unwrap();
+                    blk.record_stream(&mine);
+                });
+            });
+            // Freed here, on another thread: the pool cannot name A's
+            // stream, and must still wait for it.
+            drop(blk);
+            let again = dev.alloc(size, &other).unwrap();
+            be.launch_write_pattern(0, other.handle(), again.ptr(), n, 4, Duration::ZERO)
+                .unwrap();
+            let v = be
+                .launch_verify_pattern(
+                    0,
+                    other.handle(),
+                    again.ptr(),
+                    n,
+                    4,
+                    Duration::from_millis(150),
+                )
+                .unwrap();
+            be.sync_stream(0, other.handle()).unwrap();
+            assert_eq!(
+                v.mismatches(),
+                Some(0),
+                "size {size}: reused before thread A's late write"
+            );
+        }
+        rt.trim().unwrap();
+        dev.audit().unwrap();
+        assert_eq!(be.integrity_errors(0), 0);
+    });
+}

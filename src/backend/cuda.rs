@@ -98,11 +98,15 @@ unsafe impl Send for Ctx {}
 // the (thread-safe) driver.
 unsafe impl Sync for Ctx {}
 
-/// One device: its driver ordinal, retained primary context and facts.
+/// One device: its driver ordinal, primary context and facts.
 #[derive(Debug)]
 struct Device {
     cu: sys::CUdevice,
-    ctx: Ctx,
+    /// The primary context, retained on the device's first use (not at
+    /// open: a process that uses one GPU of eight holds one context) and
+    /// released when the backend drops.
+    ctx: std::sync::OnceLock<Ctx>,
+    ctx_init: Mutex<()>,
     info: DeviceInfo,
     /// The compaction kernel, loaded in the background after the first
     /// need; an error where it cannot be (no NVRTC, no image the driver
@@ -111,6 +115,28 @@ struct Device {
     /// The stream host-to-device copies run on (0 until the first copy),
     /// locked across each copy and its synchronize.
     copy_stream: Mutex<usize>,
+}
+
+impl Device {
+    /// The device's primary context, retained on the first call.
+    fn context(&self) -> Result<Ctx> {
+        if let Some(&c) = self.ctx.get() {
+            return Ok(c);
+        }
+        let _g = self.ctx_init.lock();
+        if let Some(&c) = self.ctx.get() {
+            return Ok(c);
+        }
+        let mut ctx: sys::CUcontext = ptr::null_mut();
+        // SAFETY: `ctx` is a valid out-pointer; `cu` is a device handle the
+        // driver gave out in `new`.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, self.cu)
+        })?;
+        let c = Ctx(ctx);
+        let _ = self.ctx.set(c);
+        Ok(c)
+    }
 }
 
 /// A device whose primary context is current on this thread until this is
@@ -304,16 +330,11 @@ impl CudaBackend {
             let mut cu: sys::CUdevice = 0;
             // SAFETY: `cu` is a valid out-pointer; `ordinal` < count.
             check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut cu, ordinal) })?;
-            let mut ctx: sys::CUcontext = ptr::null_mut();
-            // SAFETY: `ctx` is a valid out-pointer; `cu` is a device handle
-            // the driver just gave out.
-            check("cuDevicePrimaryCtxRetain", unsafe {
-                sys::cuDevicePrimaryCtxRetain(&mut ctx, cu)
-            })?;
             let index = this.devices.len();
             this.devices.push(Device {
                 cu,
-                ctx: Ctx(ctx),
+                ctx: std::sync::OnceLock::new(),
+                ctx_init: Mutex::new(()),
                 info: DeviceInfo {
                     index,
                     name: String::new(),
@@ -325,7 +346,16 @@ impl CudaBackend {
                 kernel: Arc::default(),
                 copy_stream: Mutex::new(0),
             });
-            let info = Self::query_info(index, cu)?;
+            let info = match Self::query_info(index, cu) {
+                Ok(i) => i,
+                // A driver that wants a context for the granularity query:
+                // this device's is retained now, the others stay untouched.
+                Err(_) => {
+                    let d = &this.devices[index];
+                    let _cx = ctx::CtxGuard::enter(&ctx::Driver, d.context()?)?;
+                    Self::query_info(index, cu)?
+                }
+            };
             this.devices[index].info = info;
         }
         let mut version: c_int = 0;
@@ -425,9 +455,9 @@ impl CudaBackend {
     /// thread-local read in the driver.
     fn enter(&self, dev: usize) -> Result<Entered<'_>> {
         let d = self.device(dev)?;
-        // `d.ctx` is a primary context retained in `new` and released only
-        // in `drop`, so it is live while `self` is.
-        let cx = ctx::CtxGuard::enter(&ctx::Driver, d.ctx)?;
+        // `d.context()` is a primary context retained on first use and
+        // released only in `drop`, so it is live while `self` is.
+        let cx = ctx::CtxGuard::enter(&ctx::Driver, d.context()?)?;
         Ok(Entered { device: d, _cx: cx })
     }
 
@@ -474,7 +504,7 @@ impl CudaBackend {
         dev: usize,
     ) -> Result<std::result::Result<kernel::KernelInfo, Error>> {
         let d = self.device(dev)?;
-        Ok(match d.kernel.load_now(dev, d.cu, d.ctx) {
+        Ok(match d.kernel.load_now(dev, d.cu, d.context()?) {
             Ok(k) => Ok(k.info.clone()),
             Err(e) => Err(e.clone()),
         })
@@ -519,16 +549,20 @@ impl Drop for CudaBackend {
             d.kernel.join();
             let s = std::mem::take(&mut *d.copy_stream.lock());
             if s != 0 {
-                if let Ok(_cx) = ctx::CtxGuard::enter(&ctx::Driver, d.ctx) {
+                let Some(&c) = d.ctx.get() else { continue };
+                if let Ok(_cx) = ctx::CtxGuard::enter(&ctx::Driver, c) {
                     // SAFETY: the copy stream was created by this backend
                     // in this context, is idle (every copy synchronized it)
                     // and is destroyed once (taken out of the slot).
                     let _ = unsafe { sys::cuStreamDestroy_v2(s as sys::CUstream) };
                 }
             }
-            // SAFETY: each device's primary context was retained exactly once
-            // in `new`; this is the matching release. A failure is ignored:
-            // nothing useful can be done about it in drop.
+            if d.ctx.get().is_none() {
+                continue;
+            }
+            // SAFETY: this device's primary context was retained exactly
+            // once (`Device::context`); this is the matching release. A
+            // failure is ignored: nothing useful can be done about it in drop.
             let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(d.cu) };
         }
     }
@@ -840,7 +874,7 @@ impl Backend for CudaBackend {
         }
         self.counters.count(Call::LaunchMoves);
         let s = stream_of(stream);
-        if let Some(Ok(k)) = d.kernel.get_or_start(dev, d.cu, d.ctx) {
+        if let Some(Ok(k)) = d.kernel.get_or_start(dev, d.cu, d.context()?) {
             return k.enqueue(s, moves);
         }
         // A stream runs its work in order, so a move reading what an

@@ -231,6 +231,26 @@ impl SimBackend {
 
     /// Queues `op` on `st`, or runs it at once in synchronous mode.
     fn push_op(&self, dev: usize, st: &Arc<SimStream>, op: Op) -> Result<()> {
+        if !self.cfg.sync_streams && Arc::ptr_eq(st, &self.default_streams[dev]) {
+            // CUDA's implicit synchronization: work on the legacy default
+            // stream waits for the work already enqueued on every blocking
+            // stream, and per-thread default streams are blocking (streams
+            // from `create_stream` are non-blocking and do not take part).
+            let others: Vec<Arc<SimStream>> = self
+                .per_thread
+                .lock()
+                .iter()
+                .filter(|((_, d), _)| *d == dev)
+                .map(|(_, s)| s.clone())
+                .collect();
+            for o in others {
+                let marker = Arc::new(SimEvent::new(dev));
+                let seq = marker.begin_record();
+                if o.push(Op::Complete(marker.clone(), seq)).is_ok() {
+                    st.push(Op::Wait(marker, seq))?;
+                }
+            }
+        }
         if self.cfg.sync_streams {
             st.check_open()?;
             stream::execute(dev, op, &*self.shared);
