@@ -836,13 +836,8 @@ fn shutdown_while_threads_allocate() {
         drop(streams);
         drop(rt);
         let sim = backend.as_any().downcast_ref::<SimBackend>().unwrap();
-        // The worker threads' magazines (per-thread caches) hold the pool
-        // until their thread-local destructors have run, which `scope` does
-        // not wait for: allow them a bounded moment.
-        let t = Instant::now();
-        while sim.used_bytes(0) != 0 && t.elapsed() < Duration::from_secs(2) {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        // The memory goes with the runtime, whatever the worker threads'
+        // per-thread caches still hold (their destructors may not have run).
         eprintln!(
             "faults::shutdown: 3 threads, {n} ops, all saw Error::Shutdown within {lag:.1?}; \
              {} free_raw refused after shutdown; {} B held after the runtime is dropped",

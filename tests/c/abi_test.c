@@ -281,6 +281,21 @@ int main(int argc, char **argv) {
     BAD(gpupool_stream_destroy(0, NULL), GPUPOOL_STATUS_INVALID_HANDLE, "default stream");
     BAD(gpupool_stream_destroy(0, s1), GPUPOOL_STATUS_INVALID_HANDLE, "belongs to device 1");
     BAD(gpupool_stream_destroy(0, (void *)0x7777), GPUPOOL_STATUS_INVALID_HANDLE, "unknown stream");
+    BAD(gpupool_stream_release(0, NULL), GPUPOOL_STATUS_INVALID_HANDLE, "default stream");
+    BAD(gpupool_stream_release(0, (void *)2), GPUPOOL_STATUS_INVALID_HANDLE, "default stream");
+    BAD(gpupool_stream_release(0, s0), GPUPOOL_STATUS_INVALID_HANDLE, "gpupool_stream_destroy");
+    BAD(gpupool_stream_release(7, (void *)0x7777), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 7");
+    /* A stream never used through the ABI: nothing to release. */
+    EXPECT(gpupool_stream_release(0, (void *)0x7777), GPUPOOL_STATUS_OK, "");
+    /* The calling thread's default stream (CU_STREAM_PER_THREAD) and the
+     * legacy one by its explicit name (CU_STREAM_LEGACY) are understood. */
+    {
+        void *pt = NULL, *lg = NULL;
+        EXPECT(gpupool_alloc(4096, 0, (void *)2, &pt), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_free(pt, 0, (void *)2), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_alloc(4096, 0, (void *)1, &lg), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_free(lg, 0, NULL), GPUPOOL_STATUS_OK, "");
+    }
     BAD(gpupool_device_count(NULL), GPUPOOL_STATUS_NULL_ARGUMENT, "`out` is NULL");
     BAD(gpupool_snapshot_pickle(0, NULL), GPUPOOL_STATUS_NULL_ARGUMENT, "`path` is NULL");
     BAD(gpupool_snapshot_pickle(5, "x.pickle"), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 5");
