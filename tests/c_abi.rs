@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+mod common;
+
 /// The directory holding `libgpupool.so`: `cargo test` builds the cdylib
 /// into the deps directory next to this test's executable (and `cargo
 /// build` copies it one level up).
@@ -112,7 +114,7 @@ fn header_compiles_as_cpp() {
             c.wait()
         })
     else {
-        eprintln!("no C++ compiler ({cxx}); skipped");
+        common::missing(&format!("no C++ compiler ({cxx})"));
         return;
     };
     assert!(st.success(), "include/gpupool.h does not compile as C++");
@@ -154,8 +156,7 @@ fn gpupool_log_enables_tracing_through_the_abi() {
 #[test]
 fn python_helpers_work_on_the_simulator() {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    if Command::new(&python).arg("--version").output().is_err() {
-        eprintln!("no {python}; skipped");
+    if common::require_tool(&python).is_none() {
         return;
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

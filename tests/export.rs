@@ -10,6 +10,8 @@ use gpupool::{BackendKind, Runtime, SimConfig};
 use std::collections::HashMap;
 use std::time::Duration;
 
+mod common;
+
 const MIB: usize = 1 << 20;
 
 fn sim_runtime(devices: usize) -> Runtime {
@@ -218,12 +220,7 @@ fn json_export_is_an_array_of_snapshots() {
 #[test]
 fn python_pickle_loads_the_torch_layout() {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    if std::process::Command::new(&python)
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("no {python}; skipped");
+    if common::require_tool(&python).is_none() {
         return;
     }
     let rt = sim_runtime(2);

@@ -3,14 +3,11 @@
 use gpupool::trace::replay::{replay, replay_file, ReplayOptions};
 use std::path::PathBuf;
 
+mod common;
+
+/// The real traces; a test without them fails under `CI=true`.
 fn traces() -> Option<PathBuf> {
-    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/traces"));
-    if p.is_dir() {
-        Some(p)
-    } else {
-        eprintln!("skipped: {} is missing", p.display());
-        None
-    }
+    common::shared_traces()
 }
 
 fn opts() -> ReplayOptions {

@@ -1,5 +1,5 @@
 //! Trace readers and the RMM log writer: real traces from `../shared/traces`
-//! (skipped with a printed reason when absent), small fixtures cut from them
+//! (skipped with a printed reason when absent, a failure under `CI=true`), small fixtures cut from them
 //! (`tests/data`, see its README), synthetic snapshots, and malformed input.
 
 use std::collections::BTreeMap;
@@ -15,14 +15,11 @@ use serde_pickle::{HashableValue, SerOptions, Value};
 const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/traces");
 const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data");
 
+mod common;
+
+/// The real traces; a test without them fails under `CI=true`.
 fn shared() -> Option<PathBuf> {
-    let p = PathBuf::from(SHARED);
-    if p.is_dir() {
-        Some(p)
-    } else {
-        println!("skipped: {SHARED} is missing (real traces live next to the repository)");
-        None
-    }
+    common::require_path(SHARED)
 }
 
 fn data(name: &str) -> PathBuf {

@@ -51,6 +51,12 @@ pub struct MultiStreamRow {
     pub ns_per_op: f64,
     /// gpupool: host nanoseconds inside alloc + free per kernel.
     pub host_ns_per_op: f64,
+    /// gpupool: host-blocking syncs made inside alloc and free (0: the
+    /// pool never waits for a kernel, which is what lets streams overlap).
+    pub host_syncs_on_alloc_path: u64,
+    /// gpupool: allocations of the timed loop that needed new device
+    /// memory.
+    pub grown_allocs: u64,
     /// The mutex baseline, waiting for the stream before each free.
     pub mutex_best_fit_ns_per_op: f64,
     /// Iterations timed.
@@ -78,8 +84,17 @@ fn kernel(sim: &SimBackend, stream: crate::StreamHandle, ptr: DevicePtr) -> Resu
     )
 }
 
-/// gpupool: (wall ns per kernel, host ns in alloc + free per kernel).
-fn gpupool(streams: usize, prewarm: bool, iterations: usize) -> Result<(f64, f64)> {
+/// What one gpupool measurement gives.
+struct PoolRun {
+    ns_per_op: f64,
+    host_ns_per_op: f64,
+    host_syncs: u64,
+    grown: u64,
+}
+
+/// gpupool: wall and host time per kernel, host syncs inside alloc and
+/// free, allocations that grew the pool.
+fn gpupool(streams: usize, prewarm: bool, iterations: usize) -> Result<PoolRun> {
     let rt = sim_runtime()?;
     let dev = rt.device(0)?;
     let sim = sim(rt.backend().as_ref())?;
@@ -93,28 +108,35 @@ fn gpupool(streams: usize, prewarm: bool, iterations: usize) -> Result<(f64, f64
             .collect::<Result<_>>()?;
         drop(warm);
     }
+    let syncs = || sim.counters().host_syncs_of(0);
+    let grown0 = dev.stats().num_allocs_grown;
     let mut host = Duration::ZERO;
+    let mut host_syncs = 0;
     let start = Instant::now();
     for _ in 0..iterations {
         for i in 0..KERNELS {
             let s = &pool[i % streams];
-            let t = Instant::now();
+            let (t, n) = (Instant::now(), syncs());
             let b = dev.alloc(BYTES, s)?;
             host += t.elapsed();
+            host_syncs += syncs() - n;
             kernel(sim, s.handle(), b.ptr())?;
-            let t = Instant::now();
+            let (t, n) = (Instant::now(), syncs());
             drop(b);
             host += t.elapsed();
+            host_syncs += syncs() - n;
         }
         for s in &pool {
             sim.sync_stream(0, s.handle())?;
         }
     }
     let ops = (iterations * KERNELS) as f64;
-    Ok((
-        start.elapsed().as_nanos() as f64 / ops,
-        host.as_nanos() as f64 / ops,
-    ))
+    Ok(PoolRun {
+        ns_per_op: start.elapsed().as_nanos() as f64 / ops,
+        host_ns_per_op: host.as_nanos() as f64 / ops,
+        host_syncs,
+        grown: dev.stats().num_allocs_grown - grown0,
+    })
 }
 
 /// The baseline: no stream order, so each free first waits for its stream.
@@ -158,12 +180,14 @@ pub fn table(quick: bool) -> Result<Vec<MultiStreamRow>> {
     let mut rows = Vec::new();
     for prewarm in [false, true] {
         for streams in STREAMS {
-            let (ns, host) = gpupool(streams, prewarm, iterations)?;
+            let g = gpupool(streams, prewarm, iterations)?;
             rows.push(MultiStreamRow {
                 streams,
                 prewarm,
-                ns_per_op: ns,
-                host_ns_per_op: host,
+                ns_per_op: g.ns_per_op,
+                host_ns_per_op: g.host_ns_per_op,
+                host_syncs_on_alloc_path: g.host_syncs,
+                grown_allocs: g.grown,
                 mutex_best_fit_ns_per_op: baseline(streams, prewarm, iterations)?,
                 iterations,
                 kernels: KERNELS,
@@ -178,52 +202,31 @@ pub fn table(quick: bool) -> Result<Vec<MultiStreamRow>> {
 mod tests {
     use super::*;
 
+    /// What holds in every interleaving: gpupool's alloc and free never
+    /// wait for a kernel (the reason its streams can overlap) and a
+    /// prewarmed pool never grows, while the syncing baseline runs one
+    /// kernel at a time; every kernel runs, at most `streams` at once.
+    /// How much the streams overlapped and the host's time per operation
+    /// are wall-clock figures of `gpupool bench` (BENCHMARKS.md), not
+    /// judged here: on loaded cores a preempted thread's time counts
+    /// as host time.
     #[test]
-    fn streams_overlap_with_gpupool_and_serialize_with_the_syncing_baseline() {
-        // The overlap and the host's share are timing properties of
-        // simulated kernels (threads sleeping 0.5 ms): on 2 loaded cores
-        // (the other tests of this binary run beside it) one measurement
-        // can miss either, since a preempted thread's time counts as host
-        // time (once: 1.05 ms per operation over a quick run's 20). So up
-        // to three are taken: one must show the overlap, and each row's
-        // best host time must stay under a kernel. The lower bounds hold
-        // in every measurement.
+    fn gpupool_never_waits_on_free_and_the_syncing_baseline_serializes() {
         let k = KERNEL.as_nanos() as f64;
-        let mut last = String::new();
-        let mut overlapped = false;
-        let mut best_host: Vec<f64> = Vec::new();
-        for _ in 0..3 {
-            let rows = table(true).unwrap();
-            assert_eq!(rows.len(), 6);
-            for r in &rows {
-                // Every kernel runs; at best `streams` of them at a time.
-                assert!(r.ns_per_op >= k / r.streams as f64 * 0.9, "{r:?}");
-                // Syncing before each free runs one kernel at a time.
-                assert!(r.mutex_best_fit_ns_per_op >= k * 0.95, "{r:?}");
-                assert!(r.host_ns_per_op > 0.0, "{r:?}");
+        let rows = table(true).unwrap();
+        assert_eq!(rows.len(), 6);
+        for r in &rows {
+            assert_eq!(r.iterations, 5);
+            assert_eq!(r.kernels, KERNELS);
+            assert_eq!(r.host_syncs_on_alloc_path, 0, "{r:?}");
+            if r.prewarm {
+                assert_eq!(r.grown_allocs, 0, "{r:?}");
             }
-            best_host = if best_host.is_empty() {
-                rows.iter().map(|r| r.host_ns_per_op).collect()
-            } else {
-                best_host
-                    .iter()
-                    .zip(&rows)
-                    .map(|(b, r)| b.min(r.host_ns_per_op))
-                    .collect()
-            };
-            let four = rows.iter().find(|r| r.streams == 4 && r.prewarm).unwrap();
-            let one = rows.iter().find(|r| r.streams == 1 && r.prewarm).unwrap();
-            overlapped |= four.ns_per_op < one.ns_per_op * 0.6
-                && four.ns_per_op < four.mutex_best_fit_ns_per_op * 0.6;
-            last = format!("{four:?} vs {one:?}");
-            if overlapped && best_host.iter().all(|&h| h < k) {
-                return;
-            }
+            // Lower bounds: kernels sleep KERNEL each, `streams` at a time
+            // at best; the baseline waits for each before its free.
+            assert!(r.ns_per_op >= k / r.streams as f64 * 0.9, "{r:?}");
+            assert!(r.mutex_best_fit_ns_per_op >= k * 0.95, "{r:?}");
+            assert!(r.host_ns_per_op > 0.0, "{r:?}");
         }
-        assert!(
-            best_host.iter().all(|&h| h < k),
-            "the host spent a kernel's time per operation in every measurement: {best_host:?}"
-        );
-        panic!("4 streams should overlap kernels (3 measurements); last: {last}");
     }
 }

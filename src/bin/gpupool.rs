@@ -90,18 +90,8 @@ impl Common {
     /// The runtime the options describe; `sim_devices` is the simulator's
     /// device count when neither the flag nor GPUPOOL_CONF says.
     fn runtime(&self, sim_devices: usize) -> Result<Runtime> {
-        self.runtime_with(sim_devices, |_| {})
-    }
-
-    /// [`Common::runtime`], with `tune` applied to the configuration.
-    fn runtime_with(
-        &self,
-        sim_devices: usize,
-        tune: impl FnOnce(&mut PoolConfig),
-    ) -> Result<Runtime> {
         let conf = std::env::var("GPUPOOL_CONF").unwrap_or_default();
         let mut cfg = PoolConfig::parse(&conf).context("GPUPOOL_CONF")?;
-        tune(&mut cfg);
         if !conf.contains("devices=") {
             cfg.sim.devices = sim_devices;
         }
@@ -373,7 +363,7 @@ fn run() -> Result<()> {
             steps,
             plot,
         } => {
-            let rt = common.runtime_with(4, gpupool::demo::tune_config)?;
+            let rt = common.runtime(4)?;
             let opts = gpupool::demo::DemoOptions {
                 steps,
                 plot: Some(plot),
@@ -381,11 +371,13 @@ fn run() -> Result<()> {
             };
             let report = gpupool::demo::run(&rt, &opts)?;
             print(common.json, &report)?;
-            if !report.train.gradients_match {
-                anyhow::bail!("gradients differ between devices");
-            }
+            // Only checks that hold in every interleaving decide the exit
+            // status (see `TrainReport::ok`); timing figures never do.
             if !report.train.ok() {
-                anyhow::bail!("a harness check failed (see the report)");
+                anyhow::bail!(
+                    "demo checks failed: {}",
+                    report.train.failed_checks.join("; ")
+                );
             }
         }
         Command::Info { common } => info(&common)?,

@@ -17,11 +17,26 @@
 //! 4. the optimizer updates the weights on the device (`w -= g`);
 //! 5. the harness checks that every device holds identical buckets
 //!    (optionally equal to the values the host computes), records memory
-//!    figures, and sleeps `idle_gap` so that the maintenance threads see
-//!    an idle pool (idle release, idle compaction).
+//!    figures, runs the idle-time work it is asked to ([`IdleWork`]: a
+//!    compaction pass and the idle release test, at this known point,
+//!    after the step's device work completed), and sleeps `idle_gap`, in
+//!    which the maintenance threads see an idle pool (and do whatever idle
+//!    work the pool's configuration asks of them).
+//!
+//! After the last step everything the harness allocated is freed, each
+//! pool is settled and trimmed, and its live bytes, reserved bytes and
+//! audit are compared with the start ([`DeviceReport::leaked_bytes`],
+//! [`DeviceReport::reserved_after_run`], [`DeviceReport::audit`]).
 //!
 //! Host syncs of the pool are counted only over the alloc/free phase (2),
 //! where the harness itself makes none: any there belong to the pool.
+//!
+//! [`TrainReport::ok`] judges only what holds in every interleaving of the
+//! host threads, the simulator's stream workers and the maintenance
+//! threads: gradients, weights, integrity, host syncs on the alloc path,
+//! leaks, memory returned after the run and the pools' audits. Figures that
+//! depend on when those threads ran (growth after a phase's second step,
+//! what an idle gap gave back, steps per second) are reported, not judged.
 
 mod kernels;
 mod report;
@@ -32,7 +47,7 @@ pub use kernels::{for_backend as kernels_for, Kernels};
 pub use report::{DeviceReport, PhaseReport, Sample, TrainReport};
 
 use crate::collective::{self, AllReduce, ReduceBuf};
-use crate::compact::MovableBlock;
+use crate::compact::{CompactOptions, MovableBlock};
 use crate::error::{Error, Result};
 use crate::pool::{Block, DevicePool, Stream};
 use crate::runtime::Runtime;
@@ -61,6 +76,26 @@ pub struct TrainOptions {
     pub idle_gap: Duration,
     /// Also compare every bucket with the sums the host computes.
     pub verify: bool,
+    /// Idle-time work the harness runs itself after each step (`None`:
+    /// only what the maintenance threads do in the idle gap).
+    pub idle_work: Option<IdleWork>,
+}
+
+/// Idle-time work the harness runs on every device after each step, at a
+/// known point: once the step's device work has completed and the pool is
+/// settled (every pending free harvested), before the idle gap. Unlike the
+/// maintenance threads' idle clocks, this does not depend on when any
+/// thread happened to run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IdleWork {
+    /// Run one bounded compaction pass (the pool's configured bounds) and
+    /// wait for it.
+    pub compact: bool,
+    /// The idle release test of the maintenance threads, applied to the
+    /// step just run: give cached memory back
+    /// ([`DevicePool::release_cache`]) when it exceeds this multiple of
+    /// the step's peak of active bytes (`None`: no release).
+    pub release_fraction: Option<f64>,
 }
 
 impl Default for TrainOptions {
@@ -75,6 +110,7 @@ impl Default for TrainOptions {
             streams: 3,
             idle_gap: Duration::from_millis(30),
             verify: true,
+            idle_work: None,
         }
     }
 }
@@ -102,6 +138,11 @@ impl TrainOptions {
         }
         if self.micro_batches == 0 || self.streams == 0 {
             return bad("micro_batches and streams must be positive");
+        }
+        if let Some(f) = self.idle_work.and_then(|w| w.release_fraction) {
+            if !(f.is_finite() && f >= 0.0) {
+                return bad("the idle release fraction must be finite and not negative");
+            }
         }
         Ok(())
     }
@@ -310,6 +351,30 @@ impl<'a> Device<'a> {
         Ok(())
     }
 
+    /// The idle-time work of [`IdleWork`], after a step whose device work
+    /// has completed: settle (harvest every pending free; the host waits
+    /// here, outside the alloc/free phase), a compaction pass, then the
+    /// idle release test against the step's peak of active bytes.
+    fn idle_work(&mut self, w: &IdleWork) -> Result<()> {
+        let pool = self.pool;
+        pool.settle()?;
+        if w.compact {
+            pool.compact(CompactOptions::from_config(pool.config()))?;
+        }
+        let step_peak = pool.take_window_peak();
+        if let Some(fraction) = w.release_fraction {
+            let cached = pool.stats().cached_bytes.current;
+            if cached as f64 > fraction * step_peak as f64 {
+                let freed = pool.release_cache();
+                if freed > 0 {
+                    self.report.idle_releases += 1;
+                    self.report.idle_released_bytes += freed;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Phase 4: `w -= g` on the device.
     fn optimizer(&self, k: &dyn Kernels, o: &TrainOptions) -> Result<()> {
         let (dev, c) = (self.pool.device(), self.streams[0].handle());
@@ -374,6 +439,17 @@ pub fn run_with(
 ) -> Result<TrainReport> {
     o.check()?;
     let t0 = Instant::now();
+    // What the pools held before the run: after it, once everything the
+    // harness allocated is freed and each pool trimmed, they must hold no
+    // more.
+    let before: Vec<(u64, u64)> = rt
+        .devices()
+        .iter()
+        .map(|p| {
+            let st = p.stats();
+            (st.allocated_bytes.current, st.reserved_bytes.current)
+        })
+        .collect();
     let streams: Vec<Vec<Stream>> = rt
         .devices()
         .iter()
@@ -410,6 +486,10 @@ pub fn run_with(
             d.sample();
             let r = d.forward_backward(k, o, step);
             d.report.host_syncs_on_alloc_path += counters() - before;
+            // Slots this worker thread cached go back to the pool, so that
+            // nothing stays in a thread's magazine between steps (and the
+            // trim after the run sees every free slot).
+            d.pool.flush_thread_cache();
             r
         })?;
         for i in 0..o.buckets {
@@ -444,6 +524,12 @@ pub fn run_with(
                 .push(d.pool.stats().reserved_bytes.current);
             d.sample();
         }
+        if let Some(w) = &o.idle_work {
+            for d in &mut devs {
+                d.idle_work(w)?;
+                d.sample();
+            }
+        }
         if !o.idle_gap.is_zero() {
             std::thread::sleep(o.idle_gap);
         }
@@ -462,7 +548,7 @@ pub fn run_with(
     // The buckets are freed below: end their registrations first.
     coll.deregister_all();
     let maint = rt.maintenance_stats();
-    let devices = devs
+    let mut devices: Vec<DeviceReport> = devs
         .into_iter()
         .map(|mut d| {
             let st = d.pool.stats();
@@ -479,6 +565,19 @@ pub fn run_with(
             r
         })
         .collect();
+    // Everything is freed: settle and trim each pool (the streams are
+    // still alive), then compare with the start.
+    for (r, (p, &(live0, reserved0))) in devices.iter_mut().zip(rt.devices().iter().zip(&before)) {
+        p.flush_thread_cache();
+        p.settle()?;
+        p.trim()?;
+        let st = p.stats();
+        r.reserved_before_run = reserved0;
+        r.reserved_after_run = st.reserved_bytes.current;
+        r.leaked_bytes = st.allocated_bytes.current.saturating_sub(live0);
+        r.audit = p.audit().err();
+    }
+    drop(streams);
     Ok(TrainReport::new(
         rt,
         o,

@@ -1,0 +1,59 @@
+//! Shared by the integration tests: what to do when a test's data or tool
+//! is missing.
+//!
+//! Outside CI a test may skip, printing why. Under `CI=true` a missing
+//! prerequisite is a failure: CI has every data set and tool these tests
+//! need (`../shared/traces`, a C++ compiler, Python, NVRTC), so a skip
+//! there would hide a test that never ran.
+#![allow(dead_code)] // each test binary uses its own part
+
+use std::path::{Path, PathBuf};
+
+/// Whether the tests run under CI (`CI=true`).
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v.eq_ignore_ascii_case("true"))
+}
+
+/// A test's prerequisite is missing: under `CI=true` this panics with
+/// `why`; elsewhere it prints `why` and the caller skips.
+pub fn missing(why: &str) {
+    let current = std::thread::current();
+    let test = current.name().unwrap_or("a test");
+    assert!(
+        !in_ci(),
+        "{test}: {why}, and CI=true: a test must run in CI, not skip"
+    );
+    eprintln!("{test}: SKIPPED: {why}");
+}
+
+/// `path` when it exists; otherwise [`missing`] (a panic under `CI=true`)
+/// and `None`.
+pub fn require_path(path: impl AsRef<Path>) -> Option<PathBuf> {
+    let p = path.as_ref();
+    if p.exists() {
+        Some(p.to_path_buf())
+    } else {
+        missing(&format!("{} is missing", p.display()));
+        None
+    }
+}
+
+/// `Some(program)` when `program --version` runs; otherwise [`missing`]
+/// (a panic under `CI=true`) and `None`.
+pub fn require_tool(program: &str) -> Option<String> {
+    match std::process::Command::new(program)
+        .arg("--version")
+        .output()
+    {
+        Ok(_) => Some(program.to_string()),
+        Err(e) => {
+            missing(&format!("no {program} ({e})"));
+            None
+        }
+    }
+}
+
+/// The real traces next to the repository (`../shared/traces`).
+pub fn shared_traces() -> Option<PathBuf> {
+    require_path(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/traces"))
+}
