@@ -67,6 +67,9 @@ type Cover = smallvec::SmallVec<[(u64, u64, Tag); 4]>;
 #[derive(Debug, Clone, Copy, Default)]
 struct Granule {
     chunk: Option<ChunkHandle>,
+    /// For a quarantined granule: the chunk its old mapping still maps
+    /// (stolen by aliasing; the chunk now also backs a new address).
+    alias: Option<ChunkHandle>,
     /// Allocated ranges overlapping part of this granule. A granule that
     /// one allocated range covers whole has no other user and counts 0
     /// here: taking or freeing a range of many granules updates the idle
@@ -139,6 +142,9 @@ pub(crate) struct HeapFigures {
     pub free_pending: u64,
     /// Bytes of chunks held unmapped.
     pub spare: u64,
+    /// Bytes of chunks given back but still mapped at quarantined
+    /// addresses (held until their old uses complete).
+    pub deferred: u64,
 }
 
 /// The per-device large-path heap. Not thread safe by itself: the pool holds
@@ -170,6 +176,13 @@ pub(crate) struct Heap {
     next_pending: u32,
     /// Granules quarantined since the last `take_quarantine`, as runs.
     fresh_quarantine: GranuleRuns,
+    /// Quarantined old mappings per chunk. The driver frees a chunk's
+    /// memory only once it is released *and* unmapped everywhere, so a
+    /// chunk the heap gives back while an old mapping of it is quarantined
+    /// is still device memory held: it waits in `deferred`, counted in
+    /// `reserved`, until its last quarantined mapping goes.
+    aliases: FxHashMap<ChunkHandle, u32>,
+    deferred: FxHashSet<ChunkHandle>,
     /// Pending groups whose memory was aliased since the last
     /// `take_steal_waits`: the requesting stream must wait on them.
     fresh_waits: Vec<u32>,
@@ -294,6 +307,8 @@ impl Heap {
             allocated_bytes: 0,
             next_pending: 0,
             fresh_quarantine: Vec::new(),
+            aliases: FxHashMap::default(),
+            deferred: FxHashSet::default(),
             fresh_waits: Vec::new(),
             blocked: FxHashSet::default(),
             device_allocs: 0,
@@ -1456,10 +1471,10 @@ impl Heap {
         quarantine.insert_range(g0, g0 + n);
         push_run(&mut self.fresh_quarantine, g0, n);
         for g in g0..g0 + n {
-            let chunk = granules[g as usize]
-                .chunk
-                .take()
-                .expect("idle granules are mapped");
+            let gr = &mut granules[g as usize];
+            let chunk = gr.chunk.take().expect("idle granules are mapped");
+            gr.alias = Some(chunk);
+            *self.aliases.entry(chunk).or_default() += 1;
             out.stolen.push(Stolen { g, chunk, run });
         }
     }
@@ -1490,6 +1505,13 @@ impl Heap {
             return;
         };
         granules[st.g as usize].chunk = Some(st.chunk);
+        granules[st.g as usize].alias = None;
+        match self.aliases.get_mut(&st.chunk) {
+            Some(n) if *n > 1 => *n -= 1,
+            _ => {
+                self.aliases.remove(&st.chunk);
+            }
+        }
         mapped.insert(st.g);
         idle.insert(st.g);
         quarantine.remove(st.g);
@@ -1573,8 +1595,15 @@ impl Heap {
                 n += sorted[k].1;
                 k += 1;
             }
-            if let Physical::Vmm { quarantine, .. } = &mut self.phys {
+            let mut chunks = Vec::with_capacity(n as usize);
+            if let Physical::Vmm {
+                quarantine,
+                granules,
+                ..
+            } = &mut self.phys
+            {
                 quarantine.remove_range(g0, g0 + n);
+                chunks.extend((g0..g0 + n).filter_map(|g| granules[g as usize].alias.take()));
             }
             let va = base + g0 as u64 * self.gran;
             if let Err(e) = self
@@ -1585,6 +1614,23 @@ impl Heap {
                     device = self.dev,
                     "unmap of quarantined granules failed: {e}"
                 );
+            }
+            // Chunks given back meanwhile are free once this was their last
+            // old mapping.
+            for c in chunks {
+                let last = match self.aliases.get_mut(&c) {
+                    Some(k) if *k > 1 => {
+                        *k -= 1;
+                        false
+                    }
+                    _ => {
+                        self.aliases.remove(&c);
+                        true
+                    }
+                };
+                if last && self.deferred.remove(&c) {
+                    self.release_chunk(c);
+                }
             }
             self.insert_free(va, n as u64 * self.gran, Tag::Clean);
         }
@@ -1879,6 +1925,12 @@ impl Heap {
     /// refuses stays held, on the spare list (it is still counted in
     /// `reserved`), with a warning.
     fn release_chunk(&mut self, c: ChunkHandle) {
+        if self.aliases.contains_key(&c) {
+            // Still mapped at a quarantined address: the device frees it
+            // only when that goes (`release_quarantine`), so it stays held.
+            self.deferred.insert(c);
+            return;
+        }
         match self.backend.release_chunk(self.dev, c) {
             Ok(()) => {
                 self.reserved -= self.gran;
@@ -1955,6 +2007,7 @@ impl Heap {
         if let Physical::Vmm { spare, .. } = &self.phys {
             f.spare = spare.len() as u64 * self.gran;
         }
+        f.deferred = self.deferred.len() as u64 * self.gran;
         f
     }
 

@@ -132,6 +132,12 @@ pub(crate) struct PoolShared {
     movable: crate::compact::Arena,
 }
 
+thread_local! {
+    /// Host-blocking syncs this thread made through the pool, so that an
+    /// out-of-memory wait counts its own and not other threads'.
+    static HOST_SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Recorded allocation events.
 #[derive(Debug, Default)]
 struct History {
@@ -532,11 +538,54 @@ impl PoolShared {
             }
         }
         match self.new_slab(class, stream) {
+            Ok(Some(i)) => return Ok(i),
+            Ok(None) => {}
+            Err(e) if e.is_oom() => {}
+            Err(e) => return Err(e),
+        }
+        // The way to out of memory: wait for what is in flight, then once more.
+        self.wait_before_oom();
+        if let Some(i) = self.slabs.pop(class, slot) {
+            return Ok(i);
+        }
+        match self.new_slab(class, stream) {
             Ok(Some(i)) => Ok(i),
             Ok(None) => Err(self.oom(size)),
             Err(e) if e.is_oom() => Err(self.oom(size)),
             Err(e) => Err(e),
         }
+    }
+
+    /// `cuEventSynchronize`, counted in this thread's [`HOST_SYNCS`].
+    pub(crate) fn host_sync_event(&self, e: EventHandle) -> Result<()> {
+        HOST_SYNCS.with(|c| c.set(c.get() + 1));
+        self.backend.sync_event(self.dev, e)
+    }
+
+    /// `cuStreamSynchronize`, counted in this thread's [`HOST_SYNCS`].
+    pub(crate) fn host_sync_stream(&self, s: StreamHandle) -> Result<()> {
+        HOST_SYNCS.with(|c| c.set(c.get() + 1));
+        self.backend.sync_stream(self.dev, s)
+    }
+
+    /// The last step before out of memory (invariant 3's one exception):
+    /// every stream's freed memory to the pending list, then a host wait
+    /// for every pending free and quarantined alias, so that all memory not
+    /// live is reusable. Counts the wait and its host syncs.
+    fn wait_before_oom(&self) {
+        let before = HOST_SYNCS.with(|c| c.get());
+        self.flush_all_streams();
+        if let Err(e) = self.sync_pending() {
+            tracing::warn!(device = self.dev, "waiting before out of memory: {e}");
+        }
+        // Records another thread has detached for harvesting are not on
+        // the list just now: complete their heap groups from here.
+        self.complete_groups_on_host();
+        self.harvest();
+        self.retire_empty_slabs();
+        let syncs = HOST_SYNCS.with(|c| c.get()) - before;
+        self.counters.oom_waits.fetch_add(1, Relaxed);
+        self.counters.oom_host_syncs.fetch_add(syncs, Relaxed);
     }
 
     /// Carves a new slab for `class` and pops one slot of it (or of any
@@ -553,7 +602,7 @@ impl PoolShared {
             Some(t) => t,
             None => {
                 Self::unpark(&mut h);
-                self.heap_alloc(&mut h, sb, sb, stream, false)?
+                self.heap_alloc(&mut h, sb, sb, stream, self.cfg.handover)?
             }
         };
         let reuse = h.free_slab_ids[class].pop();
@@ -647,6 +696,14 @@ impl PoolShared {
         self.harvest();
         self.reclaim();
         let mut h = self.heap.lock();
+        if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, self.cfg.handover)? {
+            return keep(&mut h, t.addr);
+        }
+        drop(h);
+        // The way to out of memory: wait for what is in flight, then once more.
+        self.wait_before_oom();
+        let mut h = self.heap.lock();
+        Self::unpark(&mut h);
         match self.heap_alloc_or_oom(&mut h, len, stream, self.cfg.handover)? {
             Some(t) => keep(&mut h, t.addr),
             None => {
@@ -888,17 +945,52 @@ impl PoolShared {
         Ok(t)
     }
 
+    /// Waits on the host for every pending heap group's uses and makes its
+    /// memory clean, whether or not its record is on the pending list (a
+    /// harvesting thread may hold it: it then finds the group done).
+    /// Out-of-memory path only.
+    fn complete_groups_on_host(&self) {
+        let groups: Vec<(u32, Waits)> = {
+            let h = self.heap.lock();
+            h.group_events
+                .iter()
+                .map(|(&id, w)| (id, w.clone()))
+                .collect()
+        };
+        for (id, w) in groups {
+            let synced = w.events.iter().all(|&e| self.host_sync_event(e).is_ok())
+                && w.unrecorded
+                    .iter()
+                    .all(|s| s.is_dead() || self.host_sync_stream(s.handle).is_ok());
+            if !synced {
+                continue;
+            }
+            let mut h = self.heap.lock();
+            // Still the same group (not completed and replaced meanwhile).
+            let same = h
+                .group_events
+                .get(&id)
+                .is_some_and(|now| now.events == w.events);
+            if same {
+                h.heap.complete_pending(id);
+                if let Some(w) = h.group_events.remove(&id) {
+                    self.recycle_events(w);
+                }
+            }
+        }
+    }
+
     /// Blocks the host until every use of pending groups `ids` completed
     /// (error paths only).
     fn sync_groups(&self, h: &HeapState, ids: &[u32]) -> Result<()> {
         for id in ids {
             if let Some(w) = h.group_events.get(id) {
                 for &e in &w.events {
-                    self.backend.sync_event(self.dev, e)?;
+                    self.host_sync_event(e)?;
                 }
                 for s in &w.unrecorded {
                     if !s.is_dead() {
-                        self.backend.sync_stream(self.dev, s.handle)?;
+                        self.host_sync_stream(s.handle)?;
                     }
                 }
             }
@@ -1231,6 +1323,8 @@ impl PoolShared {
             num_allocs_grown: c.grown.load(Relaxed),
             num_alloc_retries: c.retries.load(Relaxed),
             num_ooms: c.ooms.load(Relaxed),
+            num_oom_waits: c.oom_waits.load(Relaxed),
+            oom_host_syncs: c.oom_host_syncs.load(Relaxed),
             num_pending_frees: c.pending_frees.load(Relaxed),
             num_handovers: c.handovers.load(Relaxed),
             host_syncs: self.backend.counters().host_syncs_of(self.dev),

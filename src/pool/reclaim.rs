@@ -295,11 +295,11 @@ impl PoolShared {
         let records = self.pending.take_all();
         let sync = |w: &Waits| -> Result<()> {
             for &e in &w.events {
-                self.backend.sync_event(self.dev, e)?;
+                self.host_sync_event(e)?;
             }
             for s in &w.unrecorded {
                 if !s.is_dead() {
-                    self.backend.sync_stream(self.dev, s.handle)?;
+                    self.host_sync_stream(s.handle)?;
                 }
             }
             Ok(())

@@ -57,6 +57,12 @@ pub struct PoolStats {
     pub num_alloc_retries: u64,
     /// Allocations that failed with out-of-memory.
     pub num_ooms: u64,
+    /// Times an allocation waited on the host for in-flight frees before
+    /// giving up (the one host wait the alloc path may make: on the way to
+    /// out of memory, waiting beats failing).
+    pub num_oom_waits: u64,
+    /// Host-blocking syncs those waits made.
+    pub oom_host_syncs: u64,
     /// Frees parked on the pending list (cross-stream uses).
     pub num_pending_frees: u64,
     /// Pending blocks handed to another stream with a stream-wait-event.
@@ -136,6 +142,8 @@ pub(crate) struct Counters {
     pub peak_pending: AtomicU64,
     pub retries: AtomicU64,
     pub ooms: AtomicU64,
+    pub oom_waits: AtomicU64,
+    pub oom_host_syncs: AtomicU64,
     pub pending_frees: AtomicU64,
     pub handovers: AtomicU64,
     pub grown: AtomicU64,
@@ -159,6 +167,8 @@ impl Counters {
             peak_pending: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             ooms: AtomicU64::new(0),
+            oom_waits: AtomicU64::new(0),
+            oom_host_syncs: AtomicU64::new(0),
             pending_frees: AtomicU64::new(0),
             handovers: AtomicU64::new(0),
             grown: AtomicU64::new(0),

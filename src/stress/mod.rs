@@ -236,6 +236,7 @@ pub fn run(opts: &StressOptions, mut progress: impl FnMut(&Progress)) -> Result<
     }
     drop(streams);
     let counts = Counts {
+        false_ooms: shared.iter().map(|s| s.false_ooms.load(Relaxed)).collect(),
         syncs_before: &syncs_before,
         syncs_after: &syncs_after,
         seconds,
@@ -332,6 +333,8 @@ fn thread_main(
 
 /// Counter snapshots around the traffic.
 struct Counts<'a> {
+    /// False out-of-memory errors per device.
+    false_ooms: Vec<u64>,
     syncs_before: &'a crate::backend::BackendCounters,
     syncs_after: &'a crate::backend::BackendCounters,
     seconds: f64,
@@ -385,8 +388,12 @@ fn build_report(
             device_faults: sim.device_faults(d),
             pending_frees: st.num_pending_frees,
             handovers: st.num_handovers,
-            host_syncs_on_alloc_path: counts.syncs_after.host_syncs_of(d)
-                - counts.syncs_before.host_syncs_of(d),
+            host_syncs_on_alloc_path: (counts.syncs_after.host_syncs_of(d)
+                - counts.syncs_before.host_syncs_of(d))
+            .saturating_sub(st.oom_host_syncs),
+            false_ooms: counts.false_ooms[d],
+            oom_waits: st.num_oom_waits,
+            oom_host_syncs: st.oom_host_syncs,
             audit_error: dev.audit().err(),
             ..Default::default()
         };
@@ -419,6 +426,8 @@ fn build_report(
         r.integrity_errors += d.integrity_errors;
         r.device_faults += d.device_faults;
         r.ooms += d.ooms;
+        r.false_ooms += d.false_ooms;
+        r.oom_waits += d.oom_waits;
         r.leaked_bytes += d.leaked_bytes;
         r.host_syncs_on_alloc_path += d.host_syncs_on_alloc_path;
         r.peak_live_bytes += d.peak_live_bytes;

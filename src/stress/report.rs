@@ -42,12 +42,23 @@ pub struct DeviceStress {
     /// Allocations that failed with out-of-memory (the workload then frees
     /// something; not an error).
     pub ooms: u64,
+    /// Out-of-memory errors while the memory was not in use: live bytes
+    /// plus the request plus one largest request in flight per other
+    /// thread (and two granules of rounding per thread) fit in the device.
+    /// Each one is a bug.
+    pub false_ooms: u64,
+    /// Host waits on the way to out of memory (the alloc path's one
+    /// allowed host wait).
+    pub oom_waits: u64,
+    /// Host syncs those waits made.
+    pub oom_host_syncs: u64,
     /// Frees parked on the pending list (cross-stream uses).
     pub pending_frees: u64,
     /// Pending blocks handed to another stream by a stream-wait-event.
     pub handovers: u64,
     /// Host-blocking syncs the backend counted on this device during the
-    /// run (the harness makes none there, so all are the pool's).
+    /// run (the harness makes none there, so all are the pool's), less
+    /// those of waits on the way to out of memory.
     pub host_syncs_on_alloc_path: u64,
     /// Live bytes left after every block was freed, plus reserved bytes
     /// left after every stream finished and the pool was trimmed.
@@ -129,6 +140,11 @@ pub struct StressReport {
     /// Allocations that failed with out-of-memory (the workload frees and
     /// goes on).
     pub ooms: u64,
+    /// Out-of-memory errors while the memory was not in use, all devices
+    /// (see [`DeviceStress::false_ooms`]); the target is 0.
+    pub false_ooms: u64,
+    /// Host waits on the way to out of memory, all devices.
+    pub oom_waits: u64,
     /// Blocks also used on another stream (`record_stream`).
     pub cross_stream_uses: u64,
     /// Raw blocks freed from another stream than their own.
@@ -158,6 +174,7 @@ impl StressReport {
             && self.device_faults == 0
             && self.leaked_bytes == 0
             && self.host_syncs_on_alloc_path == 0
+            && self.false_ooms == 0
             && self.per_device.iter().all(|d| d.audit_error.is_none())
     }
 }
@@ -234,6 +251,11 @@ impl fmt::Display for StressReport {
             f,
             "  traffic           {} cross-stream uses, {} cross-stream frees, {} OOMs (handled)",
             self.cross_stream_uses, self.cross_stream_frees, self.ooms
+        )?;
+        writeln!(
+            f,
+            "  false OOMs        {} (memory not in use, request refused); {} host waits before OOM",
+            self.false_ooms, self.oom_waits
         )?;
         writeln!(
             f,

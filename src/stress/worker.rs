@@ -66,6 +66,27 @@ pub(crate) struct Mix {
 pub(crate) struct DeviceShared {
     /// Allocs plus frees, published every [`PUBLISH_EVERY`] operations.
     pub ops: AtomicU64,
+    /// Requested bytes live now (every thread's items).
+    pub live: AtomicU64,
+    /// The largest request so far.
+    pub max_request: AtomicU64,
+    /// Threads allocating on the device.
+    pub threads: AtomicU64,
+    /// Out-of-memory errors while the memory was not in use (see
+    /// [`DeviceShared::is_false_oom`]).
+    pub false_ooms: AtomicU64,
+}
+
+impl DeviceShared {
+    /// Whether an out-of-memory error for `size` bytes on a device of
+    /// `capacity` bytes is false: the bytes live after it, plus the
+    /// request, plus one largest request in flight for every other thread
+    /// and two granules per thread of rounding, fit in the device.
+    pub(crate) fn is_false_oom(&self, size: u64, capacity: u64, granule: u64) -> bool {
+        let threads = self.threads.load(Relaxed).max(1);
+        let slack = (threads - 1) * self.max_request.load(Relaxed) + threads * 2 * granule;
+        self.live.load(Relaxed) + size + slack <= capacity
+    }
 }
 
 /// What a thread measured, merged into the report at the end.
@@ -126,6 +147,7 @@ impl<'a> Worker<'a> {
             .iter()
             .map(|_| sim.create_event(dev.device()))
             .collect::<Result<_>>()?;
+        shared.threads.fetch_add(1, Relaxed);
         Ok(Worker {
             dev,
             sim,
@@ -191,10 +213,18 @@ impl<'a> Worker<'a> {
             dev.alloc(size as usize, stream).map(Handle::Block)
         };
         let ns = t.elapsed().as_nanos() as u64;
+        self.shared.max_request.fetch_max(size, Relaxed);
         let h = match r {
             Ok(h) => h,
             Err(e) if e.is_oom() => {
                 self.totals.ooms += 1;
+                let info = dev.info();
+                if self
+                    .shared
+                    .is_false_oom(size, info.total_bytes, info.granularity)
+                {
+                    self.shared.false_ooms.fetch_add(1, Relaxed);
+                }
                 return Ok(None);
             }
             Err(e) => return Err(e),
@@ -206,6 +236,7 @@ impl<'a> Worker<'a> {
             self.totals.large_alloc_ns.saturating_record(ns.max(1));
         }
         self.totals.allocs += 1;
+        self.shared.live.fetch_add(size, Relaxed);
         self.count_op();
         let ptr = match &h {
             Handle::Block(b) => b.ptr(),
@@ -293,6 +324,7 @@ impl<'a> Worker<'a> {
             self.push_result(r);
         }
         let t = Instant::now();
+        self.shared.live.fetch_sub(it.len, Relaxed);
         match (it.h, it.free_on) {
             (Handle::Block(b), _) => drop(b),
             (Handle::Raw(p), None) => self.dev.free_raw(p, own)?,
