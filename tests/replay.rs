@@ -77,4 +77,62 @@ fn replays_are_deterministic() {
     let b = replay(&t, &opts()).unwrap();
     assert_eq!(a.peak_reserved_bytes, b.peak_reserved_bytes);
     assert_eq!(a.maps, b.maps);
+    assert_eq!(a.driver_calls, b.driver_calls);
+    assert_eq!(a.driver_ms, b.driver_ms);
+}
+
+/// The driver calls of each pass are counted by kind and costed with the
+/// configuration's table: the figures follow the table, `maps` is the
+/// `cuMemMap` count, and the JSON has the contract's shape.
+#[test]
+fn replay_reports_driver_calls_and_modeled_time_per_pass() {
+    use gpupool::backend::{Call, CallCost};
+    let Some(dir) = traces() else { return };
+    let t = gpupool::trace::read_file(dir.join("lifetimes/bert_base.csv")).unwrap();
+    let r = replay(&t, &opts()).unwrap();
+    let cold = &r.driver_calls.cold;
+    assert_eq!(cold.get("cuMemMap").copied().unwrap_or(0), r.maps[0]);
+    assert_eq!(
+        r.driver_calls.warm.get("cuMemMap").copied().unwrap_or(0),
+        r.maps[1]
+    );
+    assert!(
+        cold["cuMemCreate"] > 0,
+        "a cold pass grows the pool: {cold:?}"
+    );
+    assert!(cold.values().all(|&n| n > 0), "zero counts are left out");
+    assert!(r.driver_ms.cold > r.driver_ms.warm && r.driver_ms.warm >= 0.0);
+    // cuMemCreate alone: one 2 MiB granule each at 193.32 µs.
+    assert!(r.driver_ms.cold >= cold["cuMemCreate"] as f64 * 0.19332);
+
+    // Costs follow the table: mapping made ten times dearer adds exactly
+    // nine times the maps' share.
+    let mut o = opts();
+    let base = o.config.driver_costs.cost(Call::Map);
+    o.config
+        .driver_costs
+        .set(
+            Call::Map,
+            CallCost {
+                us: base.us * 10.0,
+                ..base
+            },
+        )
+        .unwrap();
+    let dear = replay(&t, &o).unwrap();
+    assert_eq!(dear.driver_calls, r.driver_calls);
+    for (pass, a, b) in [
+        (0, r.driver_ms.cold, dear.driver_ms.cold),
+        (1, r.driver_ms.warm, dear.driver_ms.warm),
+    ] {
+        let want = a + 9.0 * base.us * r.maps[pass] as f64 / 1e3;
+        assert!((b - want).abs() < 1e-6, "pass {pass}: {b} vs {want}");
+    }
+
+    let j = serde_json::to_value(&r).unwrap();
+    assert!(j["driver_calls"]["cold"]["cuMemCreate"].as_u64().unwrap() > 0);
+    assert!(j["driver_calls"]["warm"].is_object());
+    assert!(j["driver_ms"]["cold"].as_f64().unwrap() > 0.0);
+    assert!(j["driver_ms"]["warm"].as_f64().is_some());
+    assert!(j["maps"].is_array(), "existing keys stay");
 }
