@@ -431,8 +431,10 @@ fn run() -> Result<()> {
             }
         }
         Command::Bench { json, quick, .. } => {
+            let cfg = PoolConfig::from_env().context("GPUPOOL_CONF")?;
             let report = gpupool::bench::run(&gpupool::bench::BenchOptions {
                 quick,
+                driver_costs: cfg.driver_costs,
                 ..Default::default()
             })?;
             if json {
