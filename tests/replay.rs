@@ -136,3 +136,55 @@ fn replay_reports_driver_calls_and_modeled_time_per_pass() {
     assert!(j["driver_ms"]["warm"].as_f64().is_some());
     assert!(j["maps"].is_array(), "existing keys stay");
 }
+
+/// `gpupool replay --json` carries the driver figures per trace; a cost
+/// key changes the modeled time and not the counts; `bench --calibrate`
+/// needs `--gpu`, and without a device fails with a message and no file.
+#[test]
+fn cli_replay_json_has_driver_figures_and_follows_cost_keys() {
+    let Some(dir) = traces() else { return };
+    let file = dir.join("lifetimes/bert_base.csv");
+    let run = |conf: &str| -> serde_json::Value {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpupool"))
+            .args(["replay", "--json", "--repeats", "1"])
+            .arg(&file)
+            .env("GPUPOOL_CONF", conf)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let a = &run("")["traces"][0];
+    let b = &run("cost.cuMemCreate=1000,cost.cuMemCreate.per_unit=0")["traces"][0];
+    assert_eq!(a["driver_calls"], b["driver_calls"]);
+    let creates = a["driver_calls"]["cold"]["cuMemCreate"].as_u64().unwrap();
+    let (ma, mb) = (
+        a["driver_ms"]["cold"].as_f64().unwrap(),
+        b["driver_ms"]["cold"].as_f64().unwrap(),
+    );
+    // 2 MiB chunks: 193.32 µs each by default, 1000 µs each under the key.
+    let want = ma + creates as f64 * (1000.0 - 193.32) / 1e3;
+    assert!((mb - want).abs() < 1e-6 * want, "{mb} vs {want}");
+
+    let path = std::env::temp_dir().join(format!("gpupool-cal-{}.json", std::process::id()));
+    let no_gpu = std::process::Command::new(env!("CARGO_BIN_EXE_gpupool"))
+        .args(["bench", "--calibrate"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!no_gpu.status.success());
+    assert!(String::from_utf8_lossy(&no_gpu.stderr).contains("--gpu"));
+    if gpupool::backend::open(&gpupool::BackendKind::Cuda, &Default::default()).is_err() {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpupool"))
+            .args(["bench", "--gpu", "--quick", "--calibrate"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        assert!(!path.exists(), "no calibration file without a device");
+    }
+}

@@ -67,6 +67,11 @@ enum Command {
         /// cuMemAllocAsync, compaction kernel vs cuMemcpyDtoD.
         #[arg(long)]
         gpu: bool,
+        /// With --gpu: first measure every driver call's cost on device 0
+        /// and write the cost table to this file (JSON), for
+        /// GPUPOOL_CONF=driver_costs=<file>.
+        #[arg(long, requires = "gpu", value_name = "PATH")]
+        calibrate: Option<std::path::PathBuf>,
     },
     /// Multi-device, multi-stream, multi-thread stress on the simulator, with
     /// integrity verification and a progress bar.
@@ -422,7 +427,15 @@ fn run() -> Result<()> {
             json,
             quick,
             gpu: true,
+            calibrate,
         } => {
+            if let Some(path) = calibrate {
+                let table = gpupool::bench::gpu::calibrate(quick)?;
+                std::fs::write(&path, table.to_json())
+                    .with_context(|| format!("writing {}", path.display()))?;
+                eprint!("{table}");
+                eprintln!("wrote {}", path.display());
+            }
             let report = gpupool::bench::gpu::run(quick)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
