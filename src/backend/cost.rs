@@ -217,7 +217,8 @@ impl CostTable {
     /// Modeled milliseconds of the calls in `counters` (a snapshot, or the
     /// difference of two: [`BackendCounters::since`]).
     pub fn millis(&self, counters: &BackendCounters) -> f64 {
-        self.breakdown(counters).values().sum()
+        // A fold from +0.0: an empty f64 sum is -0.0.
+        self.breakdown(counters).values().fold(0.0, |a, b| a + b)
     }
 
     /// Modeled milliseconds per call kind, for the kinds called.
@@ -659,8 +660,9 @@ mod tests {
         let d2 = k.snapshot().since(&before);
         let b2 = t.breakdown(&d2);
         assert!((b2["cuMemSetAccess"] - 12.0 * 35.99 / 1e3).abs() < 1e-12);
-        // Nothing counted, nothing charged.
-        assert_eq!(t.millis(&k.snapshot().since(&k.snapshot())), 0.0);
+        // Nothing counted, nothing charged (and printed as 0, not -0).
+        let none = t.millis(&k.snapshot().since(&k.snapshot()));
+        assert!(none == 0.0 && none.is_sign_positive());
     }
 
     #[test]
