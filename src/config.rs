@@ -13,8 +13,10 @@
 //! values are errors that name the key. [`PoolConfig::KEYS`] lists every key
 //! with its meaning.
 
+use crate::backend::cost::{CallCost, CostTable};
 use crate::backend::sim::SimBacking;
 pub use crate::backend::sim::SimConfig;
+use crate::backend::Call;
 use crate::error::{Error, Result};
 use std::time::Duration;
 
@@ -72,6 +74,10 @@ pub struct PoolConfig {
     /// The idle release policy's threshold, as a multiple of the peak of
     /// active bytes during the last busy period.
     pub release_fraction: f64,
+    /// Modeled latency of each driver call, for the driver time the
+    /// reports give (`driver_costs=<file>`, `cost.<call>=<µs>`; see
+    /// [`CostTable`]).
+    pub driver_costs: CostTable,
 }
 
 impl Default for PoolConfig {
@@ -91,6 +97,7 @@ impl Default for PoolConfig {
             maintenance_tick: Some(Duration::from_millis(5)),
             idle_release: None,
             release_fraction: 2.0,
+            driver_costs: CostTable::published(),
         }
     }
 }
@@ -167,6 +174,14 @@ impl PoolConfig {
             "release_fraction",
             "idle release keeps cached bytes up to this multiple of the last busy period's peak (default 2)",
         ),
+        (
+            "driver_costs",
+            "path of a JSON cost file (as `gpupool bench --gpu --calibrate` writes) replacing the published driver-call costs it names",
+        ),
+        (
+            "cost.<call>",
+            "modeled µs per call of one driver call, e.g. cost.cuMemMap=1.45; cost.<call>.per_unit sets µs per MiB (per chunk for cuMemSetAccess)",
+        ),
     ];
 
     /// Reads `GPUPOOL_CONF`; the defaults where it is unset or empty.
@@ -185,6 +200,8 @@ impl PoolConfig {
     pub fn parse(s: &str) -> Result<PoolConfig> {
         let mut c = PoolConfig::default();
         let mut backend = None;
+        // `cost.*` keys apply over the cost file wherever they stand.
+        let mut cost_keys = Vec::new();
         for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
             let (key, value) = item.split_once('=').ok_or_else(|| Error::Config {
                 key: item.to_string(),
@@ -260,6 +277,11 @@ impl PoolConfig {
                     }
                     c.release_fraction = f;
                 }
+                "driver_costs" => {
+                    c.driver_costs = CostTable::load(std::path::Path::new(value))
+                        .map_err(|e| bad(e.to_string()))?
+                }
+                k if k.starts_with("cost.") => cost_keys.push((key, value)),
                 _ => {
                     return Err(Error::Config {
                         key: key.to_string(),
@@ -274,6 +296,41 @@ impl PoolConfig {
                     })
                 }
             }
+        }
+        for (key, value) in cost_keys {
+            let bad = |msg: String| Error::Config {
+                key: key.to_string(),
+                msg,
+            };
+            let rest = &key["cost.".len()..];
+            let (name, per_unit) = match rest.strip_suffix(".per_unit") {
+                Some(n) => (n, true),
+                None => (rest, false),
+            };
+            let call = Call::from_name(name).ok_or_else(|| {
+                bad(format!(
+                    "unknown driver call {name:?}; known: {}",
+                    Call::ALL
+                        .iter()
+                        .map(|c| c.name())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })?;
+            let us: f64 = value
+                .parse()
+                .map_err(|_| bad(format!("{value:?} is not a number of microseconds")))?;
+            let mut k: CallCost = c.driver_costs.cost(call);
+            if per_unit {
+                k.us_per_unit = us;
+            } else {
+                k.us = us;
+            }
+            c.driver_costs
+                .set(call, k)
+                .map_err(|e| bad(e.to_string()))?;
+            let src = format!("{} with {key}={value}", c.driver_costs.source());
+            c.driver_costs = c.driver_costs.clone().with_source(src);
         }
         c.backend = match backend.as_deref() {
             None | Some("auto") => BackendKind::Auto,
@@ -409,9 +466,63 @@ mod tests {
             "granularity" => "64KiB",
             _ => "3",
         };
+        let file = std::env::temp_dir().join(format!("gpupool-costs-{}.json", std::process::id()));
+        std::fs::write(&file, CostTable::published().to_json()).unwrap();
         for (k, _) in PoolConfig::KEYS {
-            let s = format!("{k}={}", values(k));
+            let s = match *k {
+                "driver_costs" => format!("driver_costs={}", file.display()),
+                "cost.<call>" => "cost.cuMemMap=3".to_string(),
+                k => format!("{k}={}", values(k)),
+            };
             PoolConfig::parse(&s).unwrap_or_else(|e| panic!("{s}: {e}"));
         }
+        let _ = std::fs::remove_file(file);
+    }
+
+    #[test]
+    fn driver_costs_come_from_a_file_and_cost_keys() {
+        let file =
+            std::env::temp_dir().join(format!("gpupool-costs-k-{}.json", std::process::id()));
+        std::fs::write(
+            &file,
+            r#"{"source": "bench", "costs": {"cuMemMap": {"us": 9.5}}}"#,
+        )
+        .unwrap();
+        // The cost key applies over the file even when written first.
+        let c = PoolConfig::parse(&format!(
+            "cost.cuMemSetAccess.per_unit=2,driver_costs={},cost.cuMemUnmap=4",
+            file.display()
+        ))
+        .unwrap();
+        let _ = std::fs::remove_file(&file);
+        let t = &c.driver_costs;
+        assert_eq!(
+            t.cost(Call::Map),
+            CallCost {
+                us: 9.5,
+                us_per_unit: 0.0
+            }
+        );
+        assert_eq!(t.cost(Call::Unmap).us, 4.0);
+        assert_eq!(t.cost(Call::SetAccess).us_per_unit, 2.0);
+        assert_eq!(
+            t.cost(Call::MemCreate),
+            CostTable::published().cost(Call::MemCreate)
+        );
+        assert!(t.source().starts_with("bench"), "{}", t.source());
+        for bad in [
+            "cost.cuMemMapp=1",
+            "cost.cuMemMap=-1",
+            "cost.cuMemMap=fast",
+            "driver_costs=/nonexistent/costs.json",
+        ] {
+            match PoolConfig::parse(bad) {
+                Err(Error::Config { key, .. }) => {
+                    assert_eq!(key, bad.split('=').next().unwrap(), "{bad}")
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+        assert_eq!(PoolConfig::default().driver_costs, CostTable::published());
     }
 }

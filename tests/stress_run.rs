@@ -60,6 +60,13 @@ fn assert_clean(r: &StressReport) {
         assert!(d.peak_reserved_bytes <= r.capacity_bytes);
     }
     assert_eq!(r.per_device.iter().map(|d| d.ops).sum::<u64>(), r.ops);
+    // The pools grew through the driver, and each call is costed: 2 MiB
+    // granules at the published 193.32 µs per cuMemCreate at least.
+    assert!(r.driver_calls.values().all(|&n| n > 0));
+    let creates = r.driver_calls.get("cuMemCreate").copied().unwrap_or(0);
+    assert!(creates > 0, "{:?}", r.driver_calls);
+    let floor = creates as f64 * 0.19332;
+    assert!(r.driver_ms >= floor, "{} ms < {floor} ms", r.driver_ms);
     assert!(r.passed());
 }
 
@@ -189,6 +196,8 @@ fn cli_json_report_has_the_contract_keys() {
     assert_eq!(j["workload"], "serving");
     assert_eq!(j["per_device"].as_array().unwrap().len(), 2);
     assert!(j["memory_series"].is_array());
+    assert!(j["driver_calls"].is_object());
+    assert!(j["driver_ms"].as_f64().unwrap() >= 0.0);
 
     let bad = std::process::Command::new(env!("CARGO_BIN_EXE_gpupool"))
         .args(["stress", "--workload", "inference", "--duration", "1"])

@@ -607,7 +607,7 @@ impl Backend for CudaBackend {
         Self::require_vmm(dev, &d)?;
         let prop = pinned_prop(d.cu);
         let mut h: sys::CUmemGenericAllocationHandle = 0;
-        self.counters.count(Call::MemCreate);
+        self.counters.count_units(Call::MemCreate, 1, bytes);
         // SAFETY: `h` is a valid out-pointer and `prop` a fully initialised
         // property struct that outlives the call.
         let r = unsafe { sys::cuMemCreate(&mut h, bytes as usize, &prop, 0) };
@@ -627,7 +627,7 @@ impl Backend for CudaBackend {
     fn alloc_segment(&self, dev: usize, bytes: u64) -> Result<DevicePtr> {
         let d = self.enter(dev)?;
         let mut p: sys::CUdeviceptr = 0;
-        self.counters.count(Call::MemAlloc);
+        self.counters.count_units(Call::MemAlloc, 1, bytes);
         // SAFETY: `p` is a valid out-pointer.
         let r = unsafe { sys::cuMemAlloc_v2(&mut p, bytes as usize) };
         check_mem("cuMemAlloc", r, || self.oom(dev, &d, bytes))?;
@@ -680,7 +680,8 @@ impl Backend for CudaBackend {
         let r = unsafe { sys::cuMemMap(va.0, bytes as usize, chunk_offset as usize, chunk.0, 0) };
         check_mem("cuMemMap", r, || self.oom(dev, &d, bytes))?;
         let desc = rw_access(d.cu);
-        self.counters.count(Call::SetAccess);
+        // One chunk mapped, and its access granted.
+        self.counters.count_units(Call::SetAccess, 1, 1);
         // SAFETY: `desc` is one initialised descriptor, and count 1 is passed.
         let r = unsafe { sys::cuMemSetAccess(va.0, bytes as usize, &desc, 1) };
         if let Err(e) = check_mem("cuMemSetAccess", r, || self.oom(dev, &d, bytes)) {
@@ -711,8 +712,9 @@ impl Backend for CudaBackend {
             }
         }
         let desc = rw_access(d.cu);
-        self.counters.count(Call::SetAccess);
         let bytes = chunks.len() * gran as usize;
+        self.counters
+            .count_units(Call::SetAccess, 1, chunks.len() as u64);
         // SAFETY: `desc` is one initialised descriptor, and count 1 is
         // passed; the range is fully mapped just above.
         let r = unsafe { sys::cuMemSetAccess(va.0, bytes, &desc, 1) };
@@ -742,7 +744,9 @@ impl Backend for CudaBackend {
                 descs.push(rw_access(cu));
             }
         }
-        self.counters.count(Call::SetAccess);
+        // The pool maps one chunk per granule: the range covers this many.
+        let chunks = bytes.div_ceil(d.info.granularity.max(1));
+        self.counters.count_units(Call::SetAccess, 1, chunks);
         // SAFETY: `descs` holds `descs.len()` initialised descriptors and
         // lives across the call. One call covers the whole range, however
         // many mappings it spans (the driver requires them all mapped).
@@ -872,7 +876,8 @@ impl Backend for CudaBackend {
         if moves.iter().all(move_groups::is_noop) {
             return Ok(());
         }
-        self.counters.count(Call::LaunchMoves);
+        let moved = moves.iter().map(|m| m.len).sum();
+        self.counters.count_units(Call::LaunchMoves, 1, moved);
         let s = stream_of(stream);
         if let Some(Ok(k)) = d.kernel.get_or_start(dev, d.cu, d.context()?) {
             return k.enqueue(s, moves);
@@ -903,7 +908,7 @@ impl Backend for CudaBackend {
         value: u8,
     ) -> Result<()> {
         let _cx = self.enter(dev)?;
-        self.counters.count(Call::MemsetAsync);
+        self.counters.count_units(Call::MemsetAsync, 1, bytes);
         // SAFETY: fills device memory only; the driver validates the range
         // and the stream.
         check("cuMemsetD8Async", unsafe {
@@ -919,7 +924,8 @@ impl Backend for CudaBackend {
         if dst.is_empty() {
             return Ok(());
         }
-        self.counters.count(Call::MemcpyDtoH);
+        self.counters
+            .count_units(Call::MemcpyDtoH, 1, dst.len() as u64);
         self.counters.count_host_sync(dev);
         // SAFETY: `dst` is a live, exclusively borrowed host buffer of
         // `dst.len()` bytes, and the copy is synchronous, so the driver is
@@ -959,7 +965,8 @@ impl Backend for CudaBackend {
             *slot = s as usize;
         }
         let s = *slot as sys::CUstream;
-        self.counters.count(Call::MemcpyHtoD);
+        self.counters
+            .count_units(Call::MemcpyHtoD, 1, src.len() as u64);
         self.counters.count(Call::StreamSynchronize);
         self.counters.count_host_sync(dev);
         // SAFETY: `src` is a live host buffer of `src.len()` bytes, only

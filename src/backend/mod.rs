@@ -10,6 +10,7 @@
 //! docs) so that the simulator's semantics can be checked against CUDA's by
 //! the conformance suite in `tests/conformance.rs`.
 
+pub mod cost;
 mod counters;
 pub mod move_groups;
 pub mod sim;
@@ -17,7 +18,8 @@ pub mod sim;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-pub use counters::{BackendCounters, Call, CallCounters, COUNTED_DEVICES};
+pub use cost::{CallCost, CostTable};
+pub use counters::{BackendCounters, Call, CallCounters, Unit, COUNTED_DEVICES};
 
 use crate::error::Result;
 use crate::ptr::{ChunkHandle, DevicePtr, EventHandle, StreamHandle};

@@ -74,6 +74,15 @@ pub fn run(_quick: bool) -> Result<GpuBenchReport> {
     Err(Error::NoDriver("built without the cuda feature".into()))
 }
 
+/// `gpupool bench --gpu --calibrate <path>`: measures the driver cost table
+/// on CUDA device 0 ([`crate::backend::cost::calibrate`] over the CUDA
+/// backend; `quick`: fewer samples). Without a driver or a device, the
+/// typed [`Error::NoDriver`] of opening the backend.
+pub fn calibrate(quick: bool) -> Result<crate::backend::CostTable> {
+    let be = crate::backend::open(&crate::config::BackendKind::Cuda, &Default::default())?;
+    crate::backend::cost::calibrate(be.as_ref(), 0, if quick { 5 } else { 31 })
+}
+
 #[cfg(feature = "cuda")]
 mod imp {
     use super::*;
@@ -239,6 +248,10 @@ mod tests {
             return;
         }
         match super::run(true) {
+            Err(crate::Error::NoDriver(_)) => {}
+            other => panic!("expected NoDriver, got {other:?}"),
+        }
+        match super::calibrate(true) {
             Err(crate::Error::NoDriver(_)) => {}
             other => panic!("expected NoDriver, got {other:?}"),
         }

@@ -75,6 +75,9 @@ pub struct BenchOptions {
     /// Most threads of the `threads` table (default: the available cores,
     /// at least 2).
     pub max_threads: Option<usize>,
+    /// The cost table for the report's modeled driver time (default: the
+    /// published costs).
+    pub driver_costs: crate::backend::CostTable,
 }
 
 /// The report of `gpupool bench --json`.
@@ -95,6 +98,12 @@ pub struct BenchReport {
     pub multi_stream_allocations: Vec<multi_stream::MultiStreamRow>,
     /// The project's performance targets against the figures above.
     pub targets: Vec<Target>,
+    /// Driver calls the benchmarks' pools made while they ran (from
+    /// building each pool to its last benchmark step; teardown left out),
+    /// by CUDA driver name.
+    pub driver_calls: std::collections::BTreeMap<&'static str, u64>,
+    /// Modeled driver time of those calls in milliseconds.
+    pub driver_ms: f64,
     /// Wall time of the whole run in seconds.
     pub seconds: f64,
 }
@@ -270,8 +279,34 @@ fn baseline_oom(which: &'static str) -> Error {
     Error::backend(which, "baseline allocator out of memory")
 }
 
+thread_local! {
+    /// Driver calls of the benchmark pools dropped on this thread so far
+    /// (each `run` reads its own thread's tally, so parallel runs in tests
+    /// do not mix).
+    static DRIVER: std::cell::RefCell<crate::backend::BackendCounters> =
+        std::cell::RefCell::default();
+}
+
+/// A benchmark's runtime: when dropped, its backend's driver calls are
+/// added to this thread's tally ([`BenchReport::driver_calls`]).
+pub(crate) struct Tallied(Runtime);
+
+impl std::ops::Deref for Tallied {
+    type Target = Runtime;
+    fn deref(&self) -> &Runtime {
+        &self.0
+    }
+}
+
+impl Drop for Tallied {
+    fn drop(&mut self) {
+        let c = self.0.backend().counters();
+        DRIVER.with(|d| d.borrow_mut().add(&c));
+    }
+}
+
 /// A pool on one simulated device in accounting mode.
-fn sim_runtime() -> Result<Runtime> {
+fn sim_runtime() -> Result<Tallied> {
     Runtime::builder()
         .backend(BackendKind::Sim(SimConfig {
             devices: 1,
@@ -281,6 +316,7 @@ fn sim_runtime() -> Result<Runtime> {
         }))
         .config(PoolConfig::default())
         .build()
+        .map(Tallied)
 }
 
 /// Median ns per call of `pair` over `plan.samples` batches.
@@ -679,6 +715,7 @@ fn targets(r: &BenchReport) -> Vec<Target> {
 pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     let start = Instant::now();
     let ticks = cpu_ticks();
+    DRIVER.with(|d| *d.borrow_mut() = Default::default());
     let plan = Plan::new(opts.quick);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let max_threads = opts.max_threads.unwrap_or(cores.max(2)).max(1);
@@ -703,9 +740,14 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         random_allocations: random_table(&plan)?,
         multi_stream_allocations: multi_stream::table(opts.quick)?,
         targets: Vec::new(),
+        driver_calls: Default::default(),
+        driver_ms: 0.0,
         seconds: 0.0,
     };
     r.targets = targets(&r);
+    let driver = DRIVER.with(|d| std::mem::take(&mut *d.borrow_mut()));
+    r.driver_calls = driver.nonzero_calls();
+    r.driver_ms = opts.driver_costs.millis(&driver);
     r.machine.steal_share = steal_share(ticks, cpu_ticks());
     r.seconds = start.elapsed().as_secs_f64();
     Ok(r)
@@ -887,6 +929,13 @@ impl BenchReport {
                 r.mutex_best_fit_ns_per_op
             )?;
         }
+        writeln!(f)?;
+        writeln!(
+            f,
+            "driver: {} calls by the benchmark pools, {:.2} ms modeled",
+            self.driver_calls.values().sum::<u64>(),
+            self.driver_ms
+        )?;
         Ok(())
     }
 }
@@ -921,6 +970,7 @@ mod tests {
         let r = run(&BenchOptions {
             quick: true,
             max_threads: Some(2),
+            ..Default::default()
         })
         .unwrap();
         let j = serde_json::to_value(&r).unwrap();
@@ -964,6 +1014,24 @@ mod tests {
         assert!(j["machine"]["cores"].as_u64().unwrap() >= 1);
         assert_eq!(j["quick"], true);
         assert_eq!(r.targets.len(), 4, "no n = 1e5 row in quick mode");
+        // The pools were built and grown through the driver, and costed.
+        assert!(
+            r.driver_calls["cuMemAddressReserve"] > 0,
+            "{:?}",
+            r.driver_calls
+        );
+        assert!(r.driver_calls["cuMemCreate"] > 0, "{:?}", r.driver_calls);
+        let floor = r.driver_calls["cuMemCreate"] as f64 * 0.19332;
+        assert!(r.driver_ms >= floor, "{} < {floor}", r.driver_ms);
+        assert!(j["driver_calls"].is_object() && j["driver_ms"].is_f64());
+        // A run's tally is its own: a second run counts from zero again.
+        let again = run(&BenchOptions {
+            quick: true,
+            max_threads: Some(1),
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(again.driver_calls["cuMemAddressReserve"] <= r.driver_calls["cuMemAddressReserve"]);
         let table = r.to_string();
         for word in [
             "gpupool small",
@@ -971,6 +1039,7 @@ mod tests {
             "offset_allocator",
             "random_allocations",
             "multi_stream_allocations",
+            "driver",
         ] {
             assert!(table.contains(word), "{table}");
         }

@@ -67,6 +67,11 @@ enum Command {
         /// cuMemAllocAsync, compaction kernel vs cuMemcpyDtoD.
         #[arg(long)]
         gpu: bool,
+        /// With --gpu: first measure every driver call's cost on device 0
+        /// and write the cost table to this file (JSON), for
+        /// GPUPOOL_CONF=driver_costs=<file>.
+        #[arg(long, requires = "gpu", value_name = "PATH")]
+        calibrate: Option<std::path::PathBuf>,
     },
     /// Multi-device, multi-stream, multi-thread stress on the simulator, with
     /// integrity verification and a progress bar.
@@ -304,7 +309,7 @@ fn replay(
         return Ok(());
     }
     println!(
-        "{:<28} {:>8} {:>16} {:>16} {:>9} {:>17} {:>9} {:>12} {:>12}",
+        "{:<28} {:>8} {:>16} {:>16} {:>9} {:>17} {:>9} {:>12} {:>12} {:>10} {:>11} {:>11}",
         "trace",
         "events",
         "peak live",
@@ -313,7 +318,10 @@ fn replay(
         "baseline reserved",
         "baseline",
         "events/s",
-        "cold ev/s"
+        "cold ev/s",
+        "warm calls",
+        "drv ms cold",
+        "drv ms warm"
     );
     for r in &reports {
         let (b, bo) = match (&r.baseline, r.baseline_overhead) {
@@ -324,7 +332,7 @@ fn replay(
             _ => ("-".into(), "-".into()),
         };
         println!(
-            "{:<28} {:>8} {:>16} {:>16} {:>8.2}% {:>17} {:>9} {:>12.0} {:>12.0}",
+            "{:<28} {:>8} {:>16} {:>16} {:>8.2}% {:>17} {:>9} {:>12.0} {:>12.0} {:>10} {:>11.2} {:>11.2}",
             r.name,
             r.events,
             r.peak_live_bytes,
@@ -333,8 +341,31 @@ fn replay(
             b,
             bo,
             r.events_per_sec,
-            r.cold_events_per_sec
+            r.cold_events_per_sec,
+            r.driver_calls.warm.values().sum::<u64>(),
+            r.driver_ms.cold,
+            r.driver_ms.warm
         );
+    }
+    // Which calls a warm pass still makes: the steady-state driver work.
+    let warm: Vec<_> = reports
+        .iter()
+        .filter(|r| !r.driver_calls.warm.is_empty())
+        .collect();
+    if !warm.is_empty() {
+        println!(
+            "\nwarm-pass driver calls (modeled with {}):",
+            opts.config.driver_costs.source()
+        );
+        for r in warm {
+            let kinds: Vec<String> = r
+                .driver_calls
+                .warm
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect();
+            println!("  {:<28} {}", r.name, kinds.join(", "));
+        }
     }
     Ok(())
 }
@@ -396,7 +427,15 @@ fn run() -> Result<()> {
             json,
             quick,
             gpu: true,
+            calibrate,
         } => {
+            if let Some(path) = calibrate {
+                let table = gpupool::bench::gpu::calibrate(quick)?;
+                std::fs::write(&path, table.to_json())
+                    .with_context(|| format!("writing {}", path.display()))?;
+                eprint!("{table}");
+                eprintln!("wrote {}", path.display());
+            }
             let report = gpupool::bench::gpu::run(quick)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
@@ -405,8 +444,10 @@ fn run() -> Result<()> {
             }
         }
         Command::Bench { json, quick, .. } => {
+            let cfg = PoolConfig::from_env().context("GPUPOOL_CONF")?;
             let report = gpupool::bench::run(&gpupool::bench::BenchOptions {
                 quick,
+                driver_costs: cfg.driver_costs,
                 ..Default::default()
             })?;
             if json {

@@ -374,6 +374,9 @@ fn build_report(
         seconds: counts.seconds,
         ..Default::default()
     };
+    let driver = counts.syncs_after.since(counts.syncs_before);
+    r.driver_calls = driver.nonzero_calls();
+    r.driver_ms = rt.config().driver_costs.millis(&driver);
     let mut alloc_ns = worker::new_histogram();
     let mut small_ns = worker::new_histogram();
     let mut large_ns = worker::new_histogram();

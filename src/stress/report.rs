@@ -161,6 +161,13 @@ pub struct StressReport {
     /// some point (then a flat series may only mean the pools were full;
     /// `ooms` tells whether that hurt).
     pub reserved_hit_capacity: bool,
+    /// Driver calls during the traffic, all devices, by CUDA driver name
+    /// (kinds not called left out): the pools' and the harness's own
+    /// (verify kernels' fills and launches).
+    pub driver_calls: std::collections::BTreeMap<&'static str, u64>,
+    /// Modeled driver time of those calls in milliseconds, under the
+    /// configuration's cost table.
+    pub driver_ms: f64,
     /// Per-device figures.
     pub per_device: Vec<DeviceStress>,
 }
@@ -267,6 +274,12 @@ impl fmt::Display for StressReport {
             f,
             "  host syncs        {} on the alloc/free path",
             self.host_syncs_on_alloc_path
+        )?;
+        writeln!(
+            f,
+            "  driver            {} calls, {:.2} ms modeled",
+            self.driver_calls.values().sum::<u64>(),
+            self.driver_ms
         )?;
         let flat = match self.reserved_flat {
             Some(true) => "yes",

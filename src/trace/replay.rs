@@ -10,12 +10,13 @@
 //! allocator's peak reserved bytes where the trace carries them.
 
 use super::{Trace, TraceEvent};
+use crate::backend::cost::ColdWarm;
 use crate::backend::sim::{SimBacking, SimConfig};
 use crate::config::{BackendKind, PoolConfig};
 use crate::error::{Error, Result};
 use crate::pool::{Block, DevicePool, Stream};
 use crate::runtime::Runtime;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 /// The original allocator's figure, where the trace has it.
@@ -63,6 +64,12 @@ pub struct ReplayReport {
     /// Granule mappings (`cuMemMap`) made during the first and the second
     /// pass: stitching work done for the trace.
     pub maps: [u64; 2],
+    /// Driver calls made during the first (cold) and the second (warm)
+    /// pass, by CUDA driver name (kinds not called are left out).
+    pub driver_calls: ColdWarm<BTreeMap<&'static str, u64>>,
+    /// Modeled driver time of each pass in milliseconds, under the
+    /// configuration's cost table ([`crate::backend::cost::CostTable`]).
+    pub driver_ms: ColdWarm<f64>,
     /// Allocations the pool refused (out of memory); should be 0.
     pub failed_allocs: u64,
     /// Samples of (event index, live bytes, reserved bytes) for plotting;
@@ -220,15 +227,17 @@ fn run_events(
     ev_stream: &[usize],
     samples: usize,
 ) -> Result<ReplayReport> {
-    let maps = || pool.backend().counters().get(crate::backend::Call::Map);
-    let m0 = maps();
+    let counters = || pool.backend().counters();
+    let c0 = counters();
     let cold = one_pass(trace, pool, streams, ev_stream, samples)?;
-    let m1 = maps();
+    let c1 = counters();
     let peak_reserved = pool.stats().reserved_bytes.peak;
     pool.reset_peak_stats();
     let warm = one_pass(trace, pool, streams, ev_stream, 0)?;
     let warm_peak_reserved = pool.stats().reserved_bytes.peak;
-    let m2 = maps();
+    let c2 = counters();
+    let (cold_calls, warm_calls) = (c1.since(&c0), c2.since(&c1));
+    let costs = &pool.config().driver_costs;
     let peak_live = cold.peak_live;
     let baseline = trace.baseline_peak_reserved.map(|b| Baseline {
         source: "pytorch",
@@ -257,7 +266,18 @@ fn run_events(
         cold_events_per_sec: rate(&cold),
         reserved_growth_on_repeat: warm_peak_reserved as i64 - peak_reserved as i64,
         failed_allocs: cold.failed + warm.failed,
-        maps: [m1 - m0, m2 - m1],
+        maps: [
+            cold_calls.get(crate::backend::Call::Map),
+            warm_calls.get(crate::backend::Call::Map),
+        ],
+        driver_calls: ColdWarm {
+            cold: cold_calls.nonzero_calls(),
+            warm: warm_calls.nonzero_calls(),
+        },
+        driver_ms: ColdWarm {
+            cold: costs.millis(&cold_calls),
+            warm: costs.millis(&warm_calls),
+        },
         samples: cold.samples,
     })
 }

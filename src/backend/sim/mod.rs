@@ -667,7 +667,7 @@ impl Backend for SimBackend {
     }
 
     fn create_chunk(&self, dev: usize, bytes: u64) -> Result<ChunkHandle> {
-        self.counters.count(Call::MemCreate);
+        self.counters.count_units(Call::MemCreate, 1, bytes);
         if !self.dev(dev)?.info.vmm_supported {
             return Err(Error::Unsupported(format!("device {dev} has no VMM")));
         }
@@ -682,7 +682,7 @@ impl Backend for SimBackend {
     }
 
     fn alloc_segment(&self, dev: usize, bytes: u64) -> Result<DevicePtr> {
-        self.counters.count(Call::MemAlloc);
+        self.counters.count_units(Call::MemAlloc, 1, bytes);
         let mut mem = self.dev(dev)?.mem.write();
         self.admit_physical(dev, bytes, mem.used)?;
         mem.alloc_segment(bytes).map(DevicePtr)
@@ -712,7 +712,8 @@ impl Backend for SimBackend {
         off: u64,
     ) -> Result<()> {
         self.counters.count(Call::Map);
-        self.counters.count(Call::SetAccess);
+        // One chunk mapped, and its access granted.
+        self.counters.count_units(Call::SetAccess, 1, 1);
         let d = self.dev(dev)?;
         if let Some((_, e)) = Self::map_fault(d, dev, 1) {
             return Err(e);
@@ -733,7 +734,7 @@ impl Backend for SimBackend {
         self.counters.count_n(Call::Map, n);
         d.mem.write().map_run(va.0, gran, chunks)?;
         // One access grant for the run, as the CUDA backend makes.
-        self.counters.count(Call::SetAccess);
+        self.counters.count_units(Call::SetAccess, 1, n);
         Ok(())
     }
 
@@ -751,7 +752,10 @@ impl Backend for SimBackend {
     }
 
     fn set_access(&self, dev: usize, va: DevicePtr, bytes: u64, peers: &[usize]) -> Result<()> {
-        self.counters.count(Call::SetAccess);
+        // The pool maps one chunk per granule: the range covers this many.
+        let gran = self.dev(dev).map_or(1, |d| d.info.granularity.max(1));
+        self.counters
+            .count_units(Call::SetAccess, 1, bytes.div_ceil(gran));
         for &p in peers {
             self.dev(p)?;
         }
@@ -845,7 +849,8 @@ impl Backend for SimBackend {
     }
 
     fn enqueue_moves(&self, dev: usize, stream: StreamHandle, moves: &[Move]) -> Result<()> {
-        self.counters.count(Call::LaunchMoves);
+        let moved = moves.iter().map(|m| m.len).sum();
+        self.counters.count_units(Call::LaunchMoves, 1, moved);
         self.push_op(dev, &self.stream(dev, stream)?, Op::Moves(moves.to_vec()))
     }
 
@@ -857,7 +862,7 @@ impl Backend for SimBackend {
         bytes: u64,
         value: u8,
     ) -> Result<()> {
-        self.counters.count(Call::MemsetAsync);
+        self.counters.count_units(Call::MemsetAsync, 1, bytes);
         self.push_op(
             dev,
             &self.stream(dev, stream)?,
@@ -870,7 +875,8 @@ impl Backend for SimBackend {
     }
 
     fn copy_to_host(&self, dev: usize, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
-        self.counters.count(Call::MemcpyDtoH);
+        self.counters
+            .count_units(Call::MemcpyDtoH, 1, dst.len() as u64);
         self.counters.count_host_sync(dev);
         let mem = self.dev(dev)?.mem.read();
         mem.check_access(src.0, dst.len() as u64)?;
@@ -885,7 +891,8 @@ impl Backend for SimBackend {
     }
 
     fn copy_from_host(&self, dev: usize, dst: DevicePtr, src: &[u8]) -> Result<()> {
-        self.counters.count(Call::MemcpyHtoD);
+        self.counters
+            .count_units(Call::MemcpyHtoD, 1, src.len() as u64);
         self.counters.count_host_sync(dev);
         let mem = self.dev(dev)?.mem.read();
         mem.check_access(dst.0, src.len() as u64)?;
