@@ -29,6 +29,15 @@ pub struct DemoOptions {
     pub micro_batches: usize,
     /// Streams per device.
     pub streams: usize,
+    /// Transformer-shaped model: layers, activation bytes per sample and
+    /// layer, gradient buckets and their size.
+    pub layers: usize,
+    /// See [`DemoOptions::layers`].
+    pub activation_bytes: usize,
+    /// See [`DemoOptions::layers`].
+    pub buckets: usize,
+    /// See [`DemoOptions::layers`].
+    pub bucket_bytes: usize,
     /// Host idle gap after each step (after the demo's own idle work; the
     /// maintenance threads see an idle pool in it).
     pub idle_gap: Duration,
@@ -43,6 +52,14 @@ impl Default for DemoOptions {
             phases: vec![32, 64, 16],
             micro_batches: 2,
             streams: 3,
+            // 24 layers at 48 KiB per sample and layer (times 1 to 3):
+            // about 75 MiB of activations per micro-batch at batch 32 and
+            // 150 MiB at 64, beside 8 gradient buckets of 1 MiB: a step at
+            // a scale where granule rounding no longer decides the figures.
+            layers: 24,
+            activation_bytes: 48 << 10,
+            buckets: 8,
+            bucket_bytes: 1 << 20,
             idle_gap: Duration::from_millis(20),
             plot: Some(PathBuf::from("target/gpupool-demo.svg")),
         }
@@ -82,6 +99,12 @@ pub fn run(rt: &Runtime, opts: &DemoOptions) -> Result<DemoReport> {
         batches: opts.batches(),
         micro_batches: opts.micro_batches,
         streams: opts.streams,
+        layers: opts.layers,
+        activation_bytes: opts.activation_bytes,
+        // Kernels write and verify the first 256 KiB of each activation.
+        activation_check_bytes: 256 << 10,
+        buckets: opts.buckets,
+        bucket_bytes: opts.bucket_bytes,
         idle_gap: opts.idle_gap,
         idle_work: Some(IdleWork {
             compact: true,

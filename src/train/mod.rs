@@ -63,6 +63,11 @@ pub struct TrainOptions {
     pub layers: usize,
     /// Bytes of one layer's activation per sample (times 1 to 3 by layer).
     pub activation_bytes: usize,
+    /// Bytes at the start of each activation that its kernels write and
+    /// verify (the whole activation by default). A large model's step is
+    /// run at full size for the allocator while the simulated kernels
+    /// touch a window of each tensor, so that the demo stays quick.
+    pub activation_check_bytes: usize,
     /// Gradient buckets (and weight tensors) per device.
     pub buckets: usize,
     /// Bytes of one bucket (a multiple of 8).
@@ -104,6 +109,7 @@ impl Default for TrainOptions {
             batches: vec![32; 6],
             layers: 8,
             activation_bytes: 16 << 10,
+            activation_check_bytes: usize::MAX,
             buckets: 4,
             bucket_bytes: 256 << 10,
             micro_batches: 2,
@@ -243,7 +249,7 @@ impl<'a> Device<'a> {
                 let si = l % self.streams.len();
                 let s = &self.streams[si];
                 let a = pool.alloc(o.activation(l, batch), s)?;
-                let len = (a.size() as u64) & !7;
+                let len = (a.size().min(o.activation_check_bytes) as u64) & !7;
                 let seed = gradient_seed(step, micro, dev, 1000 + l);
                 k.pattern(dev, s.handle(), a.ptr(), len, seed)?;
                 if si > 0 {
