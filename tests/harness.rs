@@ -22,6 +22,7 @@ fn small(batches: Vec<usize>) -> TrainOptions {
         batches,
         layers: 6,
         activation_bytes: 8 << 10,
+        activation_check_bytes: usize::MAX,
         buckets: 3,
         bucket_bytes: 64 << 10,
         micro_batches: 2,
