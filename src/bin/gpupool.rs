@@ -249,6 +249,7 @@ fn replay(
         config: cfg,
         samples: if plot.is_some() { 2000 } else { 0 },
         repeats,
+        peers: true,
     };
     let mut reports = Vec::new();
     for f in files {
@@ -304,7 +305,7 @@ fn replay(
         return Ok(());
     }
     println!(
-        "{:<28} {:>8} {:>16} {:>16} {:>9} {:>17} {:>9} {:>12} {:>12}",
+        "{:<28} {:>8} {:>16} {:>16} {:>9} {:>17} {:>9} {:>9} {:>10} {:>8} {:>12} {:>12}",
         "trace",
         "events",
         "peak live",
@@ -312,9 +313,13 @@ fn replay(
         "overhead",
         "baseline reserved",
         "baseline",
+        "torch",
+        "torch exp.",
+        "port=rec",
         "events/s",
         "cold ev/s"
     );
+    let pct = |o: Option<f64>| o.map_or_else(|| "-".to_string(), |o| format!("{:.2}%", o * 100.0));
     for r in &reports {
         let (b, bo) = match (&r.baseline, r.baseline_overhead) {
             (Some(b), Some(o)) => (
@@ -323,8 +328,17 @@ fn replay(
             ),
             _ => ("-".into(), "-".into()),
         };
+        let p = r.peers.as_ref();
+        let matched = p
+            .and_then(|p| {
+                [&p.torch, &p.torch_expandable]
+                    .iter()
+                    .filter_map(|x| x.matched_recording)
+                    .reduce(|a, b| a && b)
+            })
+            .map_or("-", |m| if m { "yes" } else { "no" });
         println!(
-            "{:<28} {:>8} {:>16} {:>16} {:>8.2}% {:>17} {:>9} {:>12.0} {:>12.0}",
+            "{:<28} {:>8} {:>16} {:>16} {:>8.2}% {:>17} {:>9} {:>9} {:>10} {:>8} {:>12.0} {:>12.0}",
             r.name,
             r.events,
             r.peak_live_bytes,
@@ -332,9 +346,24 @@ fn replay(
             r.overhead * 100.0,
             b,
             bo,
+            pct(p.map(|p| p.torch.run.overhead)),
+            pct(p.map(|p| p.torch_expandable.run.overhead)),
+            matched,
             r.events_per_sec,
             r.cold_events_per_sec
         );
+    }
+    // Per trace, what the port was checked against and the outcome.
+    for r in &reports {
+        let Some(p) = &r.peers else { continue };
+        for (name, peer) in [
+            ("torch", &p.torch),
+            ("torch_expandable", &p.torch_expandable),
+        ] {
+            if peer.matched_recording.is_some() {
+                println!("{}: {name}: {}", r.name, peer.note);
+            }
+        }
     }
     Ok(())
 }

@@ -19,7 +19,7 @@
 //! - [`recording`]: what a PyTorch snapshot recorded (segments, blocks,
 //!   events with addresses, settings); [`validate`]: replaying a recording
 //!   from its recorded start and checking the port against it, decision by
-//!   decision.
+//!   decision; [`run`]: the cold and warm passes of `gpupool replay`.
 //!
 //! Invariants every peer keeps:
 //! - `reserved_bytes() <= peak_reserved_bytes()`, and the peak is the
@@ -37,6 +37,7 @@ use crate::{Error, Result};
 mod blocks;
 mod device;
 pub mod recording;
+pub mod run;
 pub mod torch;
 pub mod torch_expandable;
 pub mod validate;

@@ -25,7 +25,8 @@
 //! gets one: `release_available_cached_blocks` and garbage collection with
 //! expandable segments), the port skips the expandable block.
 //!
-//! Invariants (besides those of [`super::blocks`]):
+//! Invariants (besides those of the private `blocks` module: block links
+//! and pool membership):
 //! - `total_allocated_memory` (reserved bytes) is the sum of the sizes of
 //!   live `cuMemAlloc` segments plus mapped expandable pages, and equals the
 //!   simulated device's used bytes.
