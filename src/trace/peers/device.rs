@@ -51,9 +51,12 @@ impl DriverCounter {
     }
 }
 
-/// Where simulated addresses start: high in the address space, as CUDA's
-/// are, and far from 0 so that a stray 0 is never a valid address.
+/// Where simulated addresses of device 0 start: high in the address space,
+/// as CUDA's are, and far from 0 so that a stray 0 is never a valid address.
 const VA_START: u64 = 0x7f00_0000_0000;
+/// Address space of each device (devices share one address space, as
+/// CUDA's unified addressing has them, without overlapping).
+const VA_PER_DEVICE: u64 = 1 << 44;
 /// Alignment of every range handed out (CUDA's allocation granularity).
 const VA_ALIGN: u64 = 2 << 20;
 
@@ -77,11 +80,12 @@ pub(super) struct SimDevice {
 }
 
 impl SimDevice {
-    pub(super) fn new(capacity: u64) -> Self {
+    /// Device `index` of `capacity` bytes.
+    pub(super) fn new(index: usize, capacity: u64) -> Self {
         SimDevice {
             capacity,
             used: 0,
-            next_va: VA_START,
+            next_va: VA_START + index as u64 * VA_PER_DEVICE,
             script: VecDeque::new(),
             live: BTreeMap::new(),
             reserved: BTreeMap::new(),
@@ -244,7 +248,7 @@ mod tests {
 
     #[test]
     fn capacity_failures_are_counted_and_change_nothing() {
-        let mut d = SimDevice::new(4 << 20);
+        let mut d = SimDevice::new(0, 4 << 20);
         let a = d.mem_alloc(2 << 20).unwrap();
         let b = d.mem_alloc(2 << 20).unwrap();
         assert!(b >= a + (2 << 20), "ranges do not overlap");
@@ -260,7 +264,7 @@ mod tests {
 
     #[test]
     fn scripted_addresses_are_used_for_matching_sizes() {
-        let mut d = SimDevice::new(1 << 40);
+        let mut d = SimDevice::new(0, 1 << 40);
         d.reserve_above(0x1000_0000, 2 << 20);
         d.script_addresses([(20 << 20, 0x5000_0000), (2 << 20, 0x1000_0000)]);
         assert_eq!(d.mem_alloc(20 << 20), Some(0x5000_0000));

@@ -190,14 +190,21 @@ pub struct TorchAllocator {
 }
 
 impl TorchAllocator {
-    /// An empty allocator (no segments) with the given settings.
+    /// An empty allocator (no segments) with the given settings, on device
+    /// 0.
     pub fn new(cfg: TorchConfig) -> Self {
+        Self::on_device(0, cfg)
+    }
+
+    /// An empty allocator on simulated device `index` (devices' addresses
+    /// never overlap).
+    pub fn on_device(index: usize, cfg: TorchConfig) -> Self {
         let set_fraction = cfg.memory_fraction.is_some();
         let allowed_memory_maximum = cfg
             .memory_fraction
             .map_or(0, |f| (f * cfg.capacity_bytes as f64) as u64);
         TorchAllocator {
-            device: SimDevice::new(cfg.capacity_bytes),
+            device: SimDevice::new(index, cfg.capacity_bytes),
             cfg,
             arena: Arena::default(),
             small: BlockPool::new(true),
