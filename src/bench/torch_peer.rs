@@ -15,8 +15,9 @@
 //! from the end of its `alloc` to the start of its `free`; each device's
 //! port is only touched under its mutex.
 
-use std::collections::HashMap;
 use std::sync::Mutex;
+
+use rustc_hash::FxHashMap;
 
 use crate::trace::peers::torch::TorchStats;
 use crate::trace::peers::{DriverCalls, PeerAllocator, TorchAllocator, TorchConfig};
@@ -29,7 +30,7 @@ const SHARDS: usize = 67;
 #[derive(Debug)]
 pub struct TorchPeer {
     devices: Vec<Mutex<TorchAllocator>>,
-    shards: Vec<Mutex<HashMap<u64, usize>>>,
+    shards: Vec<Mutex<FxHashMap<u64, usize>>>,
 }
 
 /// PyTorch's `twang_mix64`, which picks a pointer's shard.
@@ -58,7 +59,9 @@ impl TorchPeer {
             devices: (0..devices)
                 .map(|d| Mutex::new(TorchAllocator::on_device(d, cfg.clone())))
                 .collect(),
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| Mutex::new(FxHashMap::default()))
+                .collect(),
         }
     }
 

@@ -35,7 +35,7 @@
 //! - Within a segment, no two free blocks of the same mapping state are
 //!   neighbours (frees merge).
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 use super::blocks::{Arena, Block, BlockPool, Id};
 use super::device::SimDevice;
@@ -175,7 +175,9 @@ pub struct TorchAllocator {
     pub(super) arena: Arena,
     pub(super) small: BlockPool,
     pub(super) large: BlockPool,
-    active: HashMap<u64, Id>,
+    /// Allocated blocks by address (PyTorch keeps them in
+    /// `ska::flat_hash_map`s; a fast hash keeps the port comparable).
+    active: FxHashMap<u64, Id>,
     pub(super) device: SimDevice,
     /// Reserved bytes (PyTorch's `total_allocated_memory`).
     pub(super) total_allocated_memory: u64,
@@ -209,7 +211,7 @@ impl TorchAllocator {
             arena: Arena::default(),
             small: BlockPool::new(true),
             large: BlockPool::new(false),
-            active: HashMap::new(),
+            active: FxHashMap::default(),
             total_allocated_memory: 0,
             peak_reserved: 0,
             set_fraction,
