@@ -5,7 +5,10 @@
 //! ([`SimBacking::Accounting`]): the pool's alloc/free paths only do
 //! bookkeeping on the host, so simulated memory would add nothing but page
 //! faults. The baselines ([`baselines`]) are written for these benchmarks
-//! only and are not part of the product.
+//! only and are not part of the product. PyTorch's caching allocator runs
+//! beside them as a live peer ([`torch_peer`]: the replay port behind
+//! PyTorch's per-device mutex) in the pair benchmarks (`torch_small`,
+//! `torch_large`) and in `random_allocations` (`ns_per_op_torch`).
 //!
 //! Three measurements:
 //!
@@ -38,17 +41,20 @@
 pub mod baselines;
 pub mod gpu;
 pub mod multi_stream;
+pub mod torch_peer;
 
 use crate::backend::sim::SimBacking;
 use crate::config::{BackendKind, PoolConfig, SimConfig};
 use crate::error::{Error, Result};
 use crate::pool::{Block, DevicePool};
 use crate::runtime::Runtime;
+use crate::trace::peers::TorchConfig;
 use baselines::{MutexBestFit, OffsetAllocatorPool};
 use std::fmt;
 use std::hint::black_box;
 use std::sync::Barrier;
 use std::time::Instant;
+use torch_peer::TorchPeer;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -145,6 +151,11 @@ pub struct PairNs {
     pub gpupool_small_raw: f64,
     /// The PyTorch-style baseline, [`LARGE_BYTES`].
     pub mutex_best_fit_large: f64,
+    /// PyTorch's caching allocator (the port, behind its device mutex),
+    /// [`SMALL_BYTES`].
+    pub torch_small: f64,
+    /// PyTorch's caching allocator, [`LARGE_BYTES`] (a cached block).
+    pub torch_large: f64,
     /// Request size of the small figures.
     pub small_bytes: u64,
     /// Request size of the large figures.
@@ -185,6 +196,8 @@ pub struct RandomAllocationsRow {
     pub ns_per_op: f64,
     /// The mutex baseline's nanoseconds per operation.
     pub mutex_best_fit_ns_per_op: f64,
+    /// PyTorch's caching allocator's nanoseconds per operation.
+    pub ns_per_op_torch: f64,
     /// The baseline's time over gpupool's.
     pub mutex_vs_gpupool: f64,
     /// Operations per run (allocs + frees).
@@ -365,6 +378,13 @@ fn pair_ns(plan: &Plan) -> Result<PairNs> {
     };
     let mutex_best_fit = median_pair_ns(plan, || mutex_pair(SMALL_BYTES))?;
     let mutex_best_fit_large = median_pair_ns(plan, || mutex_pair(LARGE_BYTES))?;
+    let torch = torch_peer_pool();
+    let torch_pair = |size: u64| {
+        let a = torch.alloc(0, size, 0)?;
+        torch.free(black_box(a))
+    };
+    let torch_small = median_pair_ns(plan, || torch_pair(SMALL_BYTES))?;
+    let torch_large = median_pair_ns(plan, || torch_pair(LARGE_BYTES))?;
     let offset = OffsetAllocatorPool::new(CAPACITY_BYTES);
     let offset_allocator = median_pair_ns(plan, || {
         let a = offset
@@ -380,6 +400,8 @@ fn pair_ns(plan: &Plan) -> Result<PairNs> {
         offset_allocator,
         gpupool_small_raw,
         mutex_best_fit_large,
+        torch_small,
+        torch_large,
         small_bytes: SMALL_BYTES,
         large_bytes: LARGE_BYTES,
     })
@@ -583,6 +605,36 @@ impl RandomTarget for &MutexBestFit {
     }
 }
 
+impl RandomTarget for &TorchPeer {
+    /// `(address, size)`.
+    type Handle = (u64, u64);
+    fn alloc(&mut self, size: u64) -> Result<Option<(u64, u64)>> {
+        match TorchPeer::alloc(self, 0, size, 0) {
+            Ok(a) => Ok(Some((a, size))),
+            Err(e) if e.is_oom() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+    fn size(h: &(u64, u64)) -> u64 {
+        h.1
+    }
+    fn free(&mut self, h: (u64, u64)) {
+        TorchPeer::free(self, h.0).expect("the torch peer frees what it handed out");
+    }
+}
+
+/// The PyTorch port on one simulated device of [`CAPACITY_BYTES`], default
+/// settings.
+fn torch_peer_pool() -> TorchPeer {
+    TorchPeer::new(
+        1,
+        TorchConfig {
+            capacity_bytes: CAPACITY_BYTES,
+            ..TorchConfig::default()
+        },
+    )
+}
+
 /// One run of RMM's random_allocations; returns (operations, seconds).
 fn random_allocations<T: RandomTarget>(t: &mut T, n: u64, seed: u64) -> Result<(u64, f64)> {
     const ALLOC_PERCENT: u64 = 73;
@@ -650,10 +702,13 @@ fn random_table(plan: &Plan) -> Result<Vec<RandomAllocationsRow>> {
         )?;
         let best_fit = MutexBestFit::new(CAPACITY_BYTES);
         let (_, m) = random_ns_per_op(&mut &best_fit, n, reps)?;
+        let torch = torch_peer_pool();
+        let (_, t) = random_ns_per_op(&mut &torch, n, reps)?;
         rows.push(RandomAllocationsRow {
             n,
             ns_per_op: g,
             mutex_best_fit_ns_per_op: m,
+            ns_per_op_torch: t,
             mutex_vs_gpupool: m / g,
             ops,
             max_size_bytes: RANDOM_MAX_BYTES,
@@ -831,6 +886,12 @@ impl fmt::Display for BenchReport {
             p.mutex_best_fit_large,
             p.gpupool_large,
         )?;
+        row(format!("torch ({small})"), p.torch_small, p.gpupool_small)?;
+        row(
+            format!("torch ({large}, cached)"),
+            p.torch_large,
+            p.gpupool_large,
+        )?;
         writeln!(f)?;
         writeln!(
             f,
@@ -871,14 +932,14 @@ impl fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "  {:>7}  {:>9}  {:>10}  {:>13}",
-            "n", "gpupool", "mutex_bf", "mutex/gpupool"
+            "  {:>7}  {:>9}  {:>10}  {:>9}  {:>13}",
+            "n", "gpupool", "mutex_bf", "torch", "mutex/gpupool"
         )?;
         for r in &self.random_allocations {
             writeln!(
                 f,
-                "  {:>7}  {:>9.1}  {:>10.1}  {:>12.2}x",
-                r.n, r.ns_per_op, r.mutex_best_fit_ns_per_op, r.mutex_vs_gpupool
+                "  {:>7}  {:>9.1}  {:>10.1}  {:>9.1}  {:>12.2}x",
+                r.n, r.ns_per_op, r.mutex_best_fit_ns_per_op, r.ns_per_op_torch, r.mutex_vs_gpupool
             )?;
         }
         self.fmt_multi_stream(f)?;
@@ -979,8 +1040,10 @@ mod tests {
             "gpupool_large",
             "mutex_best_fit",
             "offset_allocator",
+            "torch_small",
+            "torch_large",
         ] {
-            assert!(j["pair_ns"][k].is_f64(), "pair_ns.{k}");
+            assert!(j["pair_ns"][k].as_f64().unwrap() > 0.0, "pair_ns.{k}");
         }
         let threads = j["threads"].as_array().unwrap();
         assert_eq!(threads.len(), 2);
@@ -999,6 +1062,7 @@ mod tests {
         );
         for row in random {
             assert!(row["ns_per_op"].is_f64());
+            assert!(row["ns_per_op_torch"].as_f64().unwrap() > 0.0);
         }
         let multi = j["multi_stream_allocations"].as_array().unwrap();
         assert_eq!(multi.len(), 6);
@@ -1037,6 +1101,7 @@ mod tests {
             "gpupool small",
             "mutex_best_fit",
             "offset_allocator",
+            "torch (4 KiB)",
             "random_allocations",
             "multi_stream_allocations",
             "driver",
@@ -1076,6 +1141,11 @@ mod tests {
         let st = dev.stats();
         assert_eq!(st.num_allocs, 2_000);
         assert_eq!(st.allocated_bytes.current, 0);
+        let torch = torch_peer_pool();
+        random_allocations(&mut &torch, 2_000, 1).unwrap();
+        let st = torch.stats(0).unwrap();
+        assert_eq!((st.num_allocs, st.num_frees), (2_000, 2_000));
+        assert_eq!(st.allocated_bytes, 0);
     }
 
     #[test]

@@ -254,6 +254,7 @@ fn replay(
         config: cfg,
         samples: if plot.is_some() { 2000 } else { 0 },
         repeats,
+        peers: true,
     };
     let mut reports = Vec::new();
     for f in files {
@@ -309,7 +310,7 @@ fn replay(
         return Ok(());
     }
     println!(
-        "{:<28} {:>8} {:>16} {:>16} {:>9} {:>17} {:>9} {:>12} {:>12} {:>10} {:>11} {:>11}",
+        "{:<28} {:>8} {:>16} {:>16} {:>9} {:>17} {:>9} {:>9} {:>10} {:>8} {:>12} {:>12} {:>10} {:>11} {:>11}",
         "trace",
         "events",
         "peak live",
@@ -317,12 +318,16 @@ fn replay(
         "overhead",
         "baseline reserved",
         "baseline",
+        "torch",
+        "torch exp.",
+        "port=rec",
         "events/s",
         "cold ev/s",
         "warm calls",
         "drv ms cold",
         "drv ms warm"
     );
+    let pct = |o: Option<f64>| o.map_or_else(|| "-".to_string(), |o| format!("{:.2}%", o * 100.0));
     for r in &reports {
         let (b, bo) = match (&r.baseline, r.baseline_overhead) {
             (Some(b), Some(o)) => (
@@ -331,8 +336,17 @@ fn replay(
             ),
             _ => ("-".into(), "-".into()),
         };
+        let p = r.peers.as_ref();
+        let matched = p
+            .and_then(|p| {
+                [&p.torch, &p.torch_expandable]
+                    .iter()
+                    .filter_map(|x| x.matched_recording)
+                    .reduce(|a, b| a && b)
+            })
+            .map_or("-", |m| if m { "yes" } else { "no" });
         println!(
-            "{:<28} {:>8} {:>16} {:>16} {:>8.2}% {:>17} {:>9} {:>12.0} {:>12.0} {:>10} {:>11.2} {:>11.2}",
+            "{:<28} {:>8} {:>16} {:>16} {:>8.2}% {:>17} {:>9} {:>9} {:>10} {:>8} {:>12.0} {:>12.0} {:>10} {:>11.2} {:>11.2}",
             r.name,
             r.events,
             r.peak_live_bytes,
@@ -340,6 +354,9 @@ fn replay(
             r.overhead * 100.0,
             b,
             bo,
+            pct(p.map(|p| p.torch.run.overhead)),
+            pct(p.map(|p| p.torch_expandable.run.overhead)),
+            matched,
             r.events_per_sec,
             r.cold_events_per_sec,
             r.driver_calls.warm.values().sum::<u64>(),
@@ -365,6 +382,18 @@ fn replay(
                 .map(|(k, v)| format!("{k} {v}"))
                 .collect();
             println!("  {:<28} {}", r.name, kinds.join(", "));
+        }
+    }
+    // Per trace, what the port was checked against and the outcome.
+    for r in &reports {
+        let Some(p) = &r.peers else { continue };
+        for (name, peer) in [
+            ("torch", &p.torch),
+            ("torch_expandable", &p.torch_expandable),
+        ] {
+            if peer.matched_recording.is_some() {
+                println!("{}: {name}: {}", r.name, peer.note);
+            }
         }
     }
     Ok(())

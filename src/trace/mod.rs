@@ -64,6 +64,7 @@ use std::path::Path;
 use crate::{Error, Result};
 
 mod lifetimes;
+pub mod peers;
 pub mod plot;
 pub mod record;
 pub mod replay;

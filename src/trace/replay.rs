@@ -8,8 +8,17 @@
 //! sizes), peak reserved bytes (device memory the pool held), and the
 //! overhead `peak_reserved / peak_live - 1`, beside the original
 //! allocator's peak reserved bytes where the trace carries them.
+//!
+//! Each trace is also replayed through the [peers](super::peers): PyTorch's
+//! caching allocator, ported, in its default mode and with expandable
+//! segments ([`ReplayReport::peers`]). Where the trace is a PyTorch
+//! snapshot, [`replay_file`] hands the peers the recording too, so that the
+//! port in the recording's mode starts where PyTorch was and is checked
+//! against what PyTorch did.
 
-use super::{Trace, TraceEvent};
+use super::peers::recording::{read_recordings, Recording};
+use super::peers::run::{replay_peers, Peers};
+use super::{Trace, TraceEvent, TraceFormat};
 use crate::backend::cost::ColdWarm;
 use crate::backend::sim::{SimBacking, SimConfig};
 use crate::config::{BackendKind, PoolConfig};
@@ -76,6 +85,11 @@ pub struct ReplayReport {
     /// empty unless asked for.
     #[serde(skip)]
     pub samples: Vec<(u64, u64, u64)>,
+    /// The same trace through PyTorch's caching allocator (ported), default
+    /// mode and expandable segments; `None` when [`ReplayOptions::peers`]
+    /// is off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peers: Option<Peers>,
 }
 
 /// How to replay.
@@ -88,6 +102,8 @@ pub struct ReplayOptions {
     pub samples: usize,
     /// Timed repetitions; the fastest counts (the machines are noisy).
     pub repeats: usize,
+    /// Replay through the peers too (see [`ReplayReport::peers`]).
+    pub peers: bool,
 }
 
 impl Default for ReplayOptions {
@@ -96,6 +112,7 @@ impl Default for ReplayOptions {
             config: PoolConfig::default(),
             samples: 0,
             repeats: 3,
+            peers: true,
         }
     }
 }
@@ -107,8 +124,34 @@ fn capacity_for(trace: &Trace) -> u64 {
     (peak * 2).next_power_of_two()
 }
 
-/// Replays `trace`; see the module docs.
+/// Device capacity the peers simulate: as gpupool's, and room for the
+/// recorded segments where the trace has them.
+fn peer_capacity(trace: &Trace) -> u64 {
+    let recorded = trace.baseline_peak_reserved.unwrap_or(0);
+    capacity_for(trace).max((recorded * 2).next_power_of_two())
+}
+
+/// Replays `trace`; see the module docs. The peers start from an empty
+/// allocator: [`replay_with_recording`] gives them a snapshot's recording.
 pub fn replay(trace: &Trace, opts: &ReplayOptions) -> Result<ReplayReport> {
+    replay_with_recording(trace, None, opts)
+}
+
+/// Replays `trace`, with `recording` the PyTorch snapshot it was read from
+/// (if it was), for the peers to start from and be checked against.
+pub fn replay_with_recording(
+    trace: &Trace,
+    recording: Option<&Recording>,
+    opts: &ReplayOptions,
+) -> Result<ReplayReport> {
+    let mut report = replay_gpupool(trace, opts)?;
+    if opts.peers {
+        report.peers = Some(replay_peers(trace, recording, peer_capacity(trace))?);
+    }
+    Ok(report)
+}
+
+fn replay_gpupool(trace: &Trace, opts: &ReplayOptions) -> Result<ReplayReport> {
     let mut best: Option<ReplayReport> = None;
     for rep in 0..opts.repeats.max(1) {
         let samples = if rep == 0 { opts.samples } else { 0 };
@@ -279,6 +322,7 @@ fn run_events(
             warm: costs.millis(&warm_calls),
         },
         samples: cold.samples,
+        peers: None,
     })
 }
 
@@ -292,5 +336,16 @@ pub fn replay_file(path: &std::path::Path, opts: &ReplayOptions) -> Result<Vec<R
             msg: "no events".into(),
         });
     }
-    traces.iter().map(|t| replay(t, opts)).collect()
+    let recordings = if opts.peers && traces[0].format == TraceFormat::TorchSnapshot {
+        read_recordings(path)?
+    } else {
+        Vec::new()
+    };
+    traces
+        .iter()
+        .map(|t| {
+            let rec = recordings.iter().find(|r| r.name == t.name);
+            replay_with_recording(t, rec, opts)
+        })
+        .collect()
 }

@@ -7,7 +7,7 @@ use serde_pickle::{DeOptions, HashableValue, Value};
 use super::{trace_err, Builder, Skipped, Trace, TraceFormat};
 use crate::Result;
 
-type Dict = BTreeMap<HashableValue, Value>;
+pub(super) type Dict = BTreeMap<HashableValue, Value>;
 
 /// Actions PyTorch writes that neither allocate nor free.
 const PASSIVE_ACTIONS: &[&str] = &[
@@ -321,14 +321,14 @@ fn build(file: &str, d: usize, name: String, dev: Device<'_>, has_segments: bool
     })
 }
 
-fn as_dict(v: &Value) -> Option<&Dict> {
+pub(super) fn as_dict(v: &Value) -> Option<&Dict> {
     match v {
         Value::Dict(d) => Some(d),
         _ => None,
     }
 }
 
-fn as_list(v: &Value) -> Option<&[Value]> {
+pub(super) fn as_list(v: &Value) -> Option<&[Value]> {
     match v {
         Value::List(l) | Value::Tuple(l) => Some(l),
         _ => None,
@@ -337,7 +337,7 @@ fn as_list(v: &Value) -> Option<&[Value]> {
 
 /// Looks up a string key. Dicts here have a handful of keys, so a scan beats
 /// building a `HashableValue` per lookup.
-fn get<'a>(d: &'a Dict, key: &str) -> Option<&'a Value> {
+pub(super) fn get<'a>(d: &'a Dict, key: &str) -> Option<&'a Value> {
     d.iter().find_map(|(k, v)| match k {
         HashableValue::String(s) if s == key => Some(v),
         _ => None,
@@ -346,7 +346,7 @@ fn get<'a>(d: &'a Dict, key: &str) -> Option<&'a Value> {
 
 /// An integer field as u64. Negative values are an error unless `signed_ok`
 /// (addresses and stream ids, kept as their two's-complement bits).
-fn int_field(v: &Value, signed_ok: bool) -> std::result::Result<u64, String> {
+pub(super) fn int_field(v: &Value, signed_ok: bool) -> std::result::Result<u64, String> {
     match v {
         Value::I64(n) if *n >= 0 => Ok(*n as u64),
         Value::I64(n) if signed_ok => Ok(*n as u64),
