@@ -81,7 +81,8 @@ impl DemoOptions {
     }
 }
 
-/// The report of `gpupool demo --json`: the harness report plus the plot.
+/// The report of `gpupool demo --json`: the harness report, the same steps
+/// beside PyTorch's allocator, and the plot.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct DemoReport {
     /// The harness report (its keys are the demo's top-level keys).
@@ -89,8 +90,39 @@ pub struct DemoReport {
     pub train: TrainReport,
     /// Batch size of each step.
     pub batches: Vec<usize>,
+    /// Device 0's run beside PyTorch's caching allocator (ported) in both
+    /// modes, replaying the same allocations and frees.
+    pub side_by_side: Option<SideBySide>,
     /// The SVG written, if any.
     pub plot: Option<PathBuf>,
+}
+
+/// One allocator's figures for device 0's run of the demo.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AllocatorFigures {
+    /// `gpupool`, `torch` or `torch_expandable`.
+    pub allocator: &'static str,
+    /// Peak device memory held.
+    pub peak_reserved_bytes: u64,
+    /// `peak_reserved / peak_live - 1`.
+    pub overhead: f64,
+    /// Memory-management driver calls per step (create, release, alloc,
+    /// free, reserve, map, unmap, set access; events are not compared).
+    pub driver_calls_per_step: f64,
+    /// Modeled driver milliseconds per step (the cost table of
+    /// `docs/BENCHMARKS.md`).
+    pub driver_ms_per_step: f64,
+}
+
+/// gpupool beside the PyTorch port for the same step sequence.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SideBySide {
+    /// Allocations and frees compared (device 0's recorded history).
+    pub events: usize,
+    /// Peak of requested bytes live.
+    pub peak_live_bytes: u64,
+    /// gpupool, then the two PyTorch modes.
+    pub allocators: Vec<AllocatorFigures>,
 }
 
 /// Runs the demo on every device of `rt`, writing the plot if asked.
@@ -112,7 +144,13 @@ pub fn run(rt: &Runtime, opts: &DemoOptions) -> Result<DemoReport> {
         }),
         ..Default::default()
     };
+    let dev0 = rt.device(0)?;
+    dev0.record_history(true);
+    let calls_before = rt.backend().counters();
     let train = train::run(rt, &t)?;
+    let calls = rt.backend().counters().since(&calls_before);
+    dev0.record_history(false);
+    let side_by_side = side_by_side(rt, &dev0.history(), &calls, &train, t.batches.len())?;
     let plot = match &opts.plot {
         Some(p) => {
             if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -126,8 +164,125 @@ pub fn run(rt: &Runtime, opts: &DemoOptions) -> Result<DemoReport> {
     Ok(DemoReport {
         train,
         batches: t.batches,
+        side_by_side,
         plot,
     })
+}
+
+/// The driver calls the side-by-side compares: those that make, map and
+/// give back device memory.
+const MEMORY_CALLS: [crate::backend::Call; 9] = {
+    use crate::backend::Call::*;
+    [
+        MemCreate,
+        MemRelease,
+        MemAlloc,
+        MemFree,
+        AddressReserve,
+        AddressFree,
+        Map,
+        Unmap,
+        SetAccess,
+    ]
+};
+
+/// Replays device 0's recorded allocations and frees through the PyTorch
+/// port in both modes, beside gpupool's figures for the same run (its
+/// driver calls are the backend's over the run, split evenly over the
+/// devices, which all run the same steps). Movable checkpoints are not in
+/// the history (they are gpupool's own feature); the rest is.
+fn side_by_side(
+    rt: &Runtime,
+    history: &[crate::pool::HistoryEvent],
+    calls: &crate::backend::BackendCounters,
+    train: &TrainReport,
+    steps: usize,
+) -> Result<Option<SideBySide>> {
+    use crate::pool::HistoryAction;
+    use crate::trace::peers::{run::from_empty, TorchConfig};
+    use crate::trace::{Trace, TraceEvent, TraceFormat};
+    let Some(d0) = train.devices.first() else {
+        return Ok(None);
+    };
+    let mut trace = Trace::new("demo device 0", TraceFormat::Lifetimes);
+    let mut ids = std::collections::HashMap::new();
+    let mut next = 0u64;
+    for e in history {
+        match e.action {
+            HistoryAction::Alloc => {
+                ids.insert(e.addr, next);
+                trace.events.push(TraceEvent::Alloc {
+                    id: next,
+                    size: e.size,
+                    stream: e.stream,
+                });
+                next += 1;
+            }
+            HistoryAction::FreeRequested => {
+                if let Some(id) = ids.remove(&e.addr) {
+                    trace.events.push(TraceEvent::Free {
+                        id,
+                        stream: e.stream,
+                    });
+                }
+            }
+        }
+    }
+    if trace.events.is_empty() {
+        return Ok(None);
+    }
+    let live = trace.peak_live_bytes();
+    let per_step = |x: f64| x / steps.max(1) as f64;
+    let table = &rt.config().driver_costs;
+    let devices = rt.device_count().max(1) as f64;
+    // Memory-management calls only: the port models no events (nor
+    // `record_stream`), and the harness's own kernels and events are not
+    // the allocator's.
+    let mut calls = calls.clone();
+    calls
+        .calls
+        .retain(|name, _| MEMORY_CALLS.iter().any(|c| c.name() == *name));
+    calls
+        .units
+        .retain(|name, _| MEMORY_CALLS.iter().any(|c| c.name() == *name));
+    let calls = &calls;
+    let mut allocators = vec![AllocatorFigures {
+        allocator: "gpupool",
+        peak_reserved_bytes: d0.peak_reserved_bytes,
+        overhead: d0.peak_reserved_bytes as f64 / d0.peak_live_bytes.max(1) as f64 - 1.0,
+        driver_calls_per_step: per_step(calls.total_calls() as f64 / devices),
+        driver_ms_per_step: per_step(table.millis(calls) / devices),
+    }];
+    for (name, expandable) in [("torch", false), ("torch_expandable", true)] {
+        let mut run = from_empty(
+            TorchConfig {
+                expandable_segments: expandable,
+                capacity_bytes: d0.peak_live_bytes.max(1) * 4 + (1 << 30),
+                ..Default::default()
+            },
+            &trace,
+        )?;
+        run.cost(table)?;
+        let n: u64 = run
+            .driver_calls
+            .cold
+            .iter()
+            .filter(|(name, _)| MEMORY_CALLS.iter().any(|c| c.name() == **name))
+            .map(|(_, n)| n)
+            .sum();
+        allocators.push(AllocatorFigures {
+            allocator: name,
+            peak_reserved_bytes: run.peak_reserved_bytes,
+            overhead: run.overhead,
+            driver_calls_per_step: per_step(n as f64),
+            driver_ms_per_step: per_step(run.driver_ms.cold),
+        });
+    }
+    Ok(Some(SideBySide {
+        events: trace.events.len(),
+        peak_live_bytes: live,
+        allocators,
+    }))
 }
 
 /// Live and reserved bytes of every device over time, as an SVG.
@@ -175,6 +330,31 @@ impl std::fmt::Display for DemoReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "gpupool demo, batch sizes per step {:?}", self.batches)?;
         write!(f, "{}", self.train)?;
+        if let Some(s) = &self.side_by_side {
+            writeln!(
+                f,
+                "\nthe same steps beside PyTorch's allocator (device 0's {} allocations and frees, \
+                 peak live {:.1} MiB; driver time modeled):",
+                s.events,
+                s.peak_live_bytes as f64 / (1 << 20) as f64
+            )?;
+            writeln!(
+                f,
+                "  {:<18} {:>12} {:>9} {:>16} {:>16}",
+                "allocator", "peak resv", "overhead", "driver calls/step", "driver ms/step"
+            )?;
+            for a in &s.allocators {
+                writeln!(
+                    f,
+                    "  {:<18} {:>8.1} MiB {:>8.2}% {:>16.1} {:>16.2}",
+                    a.allocator,
+                    a.peak_reserved_bytes as f64 / (1 << 20) as f64,
+                    a.overhead * 100.0,
+                    a.driver_calls_per_step,
+                    a.driver_ms_per_step
+                )?;
+            }
+        }
         if let Some(p) = &self.plot {
             write!(f, "\nplot: {}", p.display())?;
         }

@@ -146,7 +146,9 @@ pub fn replay_with_recording(
 ) -> Result<ReplayReport> {
     let mut report = replay_gpupool(trace, opts)?;
     if opts.peers {
-        report.peers = Some(replay_peers(trace, recording, peer_capacity(trace))?);
+        let mut peers = replay_peers(trace, recording, peer_capacity(trace))?;
+        peers.cost(&opts.config.driver_costs)?;
+        report.peers = Some(peers);
     }
     Ok(report)
 }

@@ -45,6 +45,9 @@ pub struct PeerRun {
     pub driver_calls: ColdWarm,
     /// Bytes the driver calls of each kind covered.
     pub driver_bytes: ColdWarm,
+    /// Modeled driver milliseconds of each pass, with the same cost table
+    /// as gpupool's figures ([`PeerRun::cost`]; 0 until then).
+    pub driver_ms: crate::backend::cost::ColdWarm<f64>,
     /// Peak reserved bytes of the warm pass minus the cold pass's.
     pub reserved_growth_on_repeat: i64,
     /// Allocations the peer refused (both passes).
@@ -149,7 +152,43 @@ fn finish(
         },
         reserved_growth_on_repeat: a.peak_reserved_bytes() as i64 - cold_peak as i64,
         failed_allocs: cold_failed + failed,
+        driver_ms: Default::default(),
     })
+}
+
+impl PeerRun {
+    /// Prices both passes with `table`. Units: bytes for the calls whose
+    /// cost grows with bytes, and for `cuMemSetAccess` the pages it covers,
+    /// which in the port is one per `cuMemMap` (no peer devices in a replay).
+    pub fn cost(&mut self, table: &crate::backend::cost::CostTable) -> Result<()> {
+        let units = |calls: &DriverCalls, bytes: &DriverCalls| -> DriverCalls {
+            let mut u = bytes.clone();
+            if let Some(&maps) = calls.get(crate::backend::Call::Map.name()) {
+                u.insert(crate::backend::Call::SetAccess.name(), maps);
+            }
+            u
+        };
+        let c = &self.driver_calls;
+        let b = &self.driver_bytes;
+        self.driver_ms = crate::backend::cost::ColdWarm {
+            cold: table.millis_of(&c.cold, Some(&units(&c.cold, &b.cold)))?,
+            warm: table.millis_of(&c.warm, Some(&units(&c.warm, &b.warm)))?,
+        };
+        Ok(())
+    }
+}
+
+impl Peers {
+    /// Prices every run of both peers with `table`.
+    pub fn cost(&mut self, table: &crate::backend::cost::CostTable) -> Result<()> {
+        for p in [&mut self.torch, &mut self.torch_expandable] {
+            p.run.cost(table)?;
+            if let Some(c) = &mut p.cold_start {
+                c.cost(table)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Runs `trace` through a fresh allocator with `cfg`: cold, then warm.
