@@ -171,6 +171,12 @@ pub struct ThreadsRow {
     pub gpupool_ops_per_sec: f64,
     /// The mutex baseline's operations per second, all threads.
     pub mutex_best_fit_ops_per_sec: f64,
+    /// The PyTorch port's operations per second, all threads, each thread
+    /// on its own stream (PyTorch keys cached blocks by stream) behind the
+    /// device's one mutex, as PyTorch takes it.
+    pub torch_ops_per_sec: f64,
+    /// gpupool throughput over the PyTorch port's, same thread count.
+    pub gpupool_vs_torch: f64,
     /// gpupool throughput over its 1-thread throughput.
     pub gpupool_vs_1_thread: f64,
     /// gpupool throughput over the mutex baseline's, same thread count.
@@ -534,6 +540,16 @@ fn mutex_threads(plan: &Plan, threads: usize) -> Result<Throughput> {
     })
 }
 
+fn torch_threads(plan: &Plan, threads: usize) -> Result<Throughput> {
+    let torch = torch_peer_pool();
+    median_of(plan.thread_reps, || {
+        timed_threads(threads, plan.warmup, plan.mutex_thread_pairs, |t| {
+            let a = torch.alloc(0, SMALL_BYTES, t as u64 + 1)?;
+            torch.free(black_box(a))
+        })
+    })
+}
+
 fn threads_table(plan: &Plan, max_threads: usize) -> Result<Vec<ThreadsRow>> {
     let rt = sim_runtime()?;
     let dev = rt.device(0)?;
@@ -541,6 +557,7 @@ fn threads_table(plan: &Plan, max_threads: usize) -> Result<Vec<ThreadsRow>> {
     for t in 1..=max_threads {
         let g = gpupool_threads(dev, plan, t)?;
         let m = mutex_threads(plan, t)?;
+        let tp = torch_threads(plan, t)?;
         let (g1, m1) = rows.first().map_or((g.ops_per_sec, m.ops_per_sec), |r| {
             (r.gpupool_ops_per_sec, r.mutex_best_fit_ops_per_sec)
         });
@@ -548,6 +565,8 @@ fn threads_table(plan: &Plan, max_threads: usize) -> Result<Vec<ThreadsRow>> {
             threads: t,
             gpupool_ops_per_sec: g.ops_per_sec,
             mutex_best_fit_ops_per_sec: m.ops_per_sec,
+            torch_ops_per_sec: tp.ops_per_sec,
+            gpupool_vs_torch: g.ops_per_sec / tp.ops_per_sec,
             gpupool_vs_1_thread: g.ops_per_sec / g1,
             gpupool_vs_mutex: g.ops_per_sec / m.ops_per_sec,
             mutex_vs_1_thread: m.ops_per_sec / m1,
@@ -899,13 +918,22 @@ impl fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "  {:>7}  {:>10} {:>8} {:>4}  {:>10} {:>8} {:>4}  {:>13}",
-            "threads", "gpupool", "vs 1 thr", "cpu", "mutex_bf", "vs 1 thr", "cpu", "gpupool/mutex"
+            "  {:>7}  {:>10} {:>8} {:>4}  {:>10} {:>8} {:>4}  {:>13}  {:>10} {:>13}",
+            "threads",
+            "gpupool",
+            "vs 1 thr",
+            "cpu",
+            "mutex_bf",
+            "vs 1 thr",
+            "cpu",
+            "gpupool/mutex",
+            "torch",
+            "gpupool/torch"
         )?;
         for r in &self.threads {
             writeln!(
                 f,
-                "  {:>7}  {:>10} {:>7.2}x {:>3.0}%  {:>10} {:>7.2}x {:>3.0}%  {:>12.1}x",
+                "  {:>7}  {:>10} {:>7.2}x {:>3.0}%  {:>10} {:>7.2}x {:>3.0}%  {:>12.1}x  {:>10} {:>12.1}x",
                 r.threads,
                 fmt_rate(r.gpupool_ops_per_sec),
                 r.gpupool_vs_1_thread,
@@ -913,7 +941,9 @@ impl fmt::Display for BenchReport {
                 fmt_rate(r.mutex_best_fit_ops_per_sec),
                 r.mutex_vs_1_thread,
                 r.mutex_best_fit_cpu_share * 100.0,
-                r.gpupool_vs_mutex
+                r.gpupool_vs_mutex,
+                fmt_rate(r.torch_ops_per_sec),
+                r.gpupool_vs_torch
             )?;
         }
         writeln!(
