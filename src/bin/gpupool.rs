@@ -282,6 +282,28 @@ fn replay(
                     points: pts(1),
                 },
             ];
+            // The PyTorch port in both modes, from an empty allocator.
+            if let Some(p) = &r.peers {
+                for (name, colour, peer) in [
+                    ("PyTorch default (port) reserved", "#ff7f0e", &p.torch),
+                    (
+                        "PyTorch expandable (port) reserved",
+                        "#9467bd",
+                        &p.torch_expandable,
+                    ),
+                ] {
+                    let run = peer.cold_start.as_ref().unwrap_or(&peer.run);
+                    series.push(Series {
+                        name,
+                        colour,
+                        points: run
+                            .samples
+                            .iter()
+                            .map(|&(i, b)| (i as f64, b as f64))
+                            .collect(),
+                    });
+                }
+            }
             if let Some(b) = &r.baseline {
                 let x = r.samples.last().map_or(1.0, |s| s.0 as f64);
                 let y = b.peak_reserved_bytes as f64;

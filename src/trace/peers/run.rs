@@ -48,6 +48,10 @@ pub struct PeerRun {
     /// Modeled driver milliseconds of each pass, with the same cost table
     /// as gpupool's figures ([`PeerRun::cost`]; 0 until then).
     pub driver_ms: crate::backend::cost::ColdWarm<f64>,
+    /// `(event index, reserved bytes)` through the cold pass, about
+    /// [`PLOT_SAMPLES`] of them, for the replay's plot (not in the JSON).
+    #[serde(skip)]
+    pub samples: Vec<(u64, u64)>,
     /// Peak reserved bytes of the warm pass minus the cold pass's.
     pub reserved_growth_on_repeat: i64,
     /// Allocations the peer refused (both passes).
@@ -153,6 +157,7 @@ fn finish(
         reserved_growth_on_repeat: a.peak_reserved_bytes() as i64 - cold_peak as i64,
         failed_allocs: cold_failed + failed,
         driver_ms: Default::default(),
+        samples: Vec::new(),
     })
 }
 
@@ -191,14 +196,43 @@ impl Peers {
     }
 }
 
-/// Runs `trace` through a fresh allocator with `cfg`: cold, then warm.
+/// Samples of reserved bytes a cold pass from empty takes for the plot.
+pub const PLOT_SAMPLES: u64 = 2000;
+
+/// Runs `trace` through a fresh allocator with `cfg`: cold (sampled for
+/// the plot), then warm.
 pub fn from_empty(cfg: TorchConfig, trace: &Trace) -> Result<PeerRun> {
     let mut a = TorchAllocator::new(cfg);
     let before = counter(&a);
-    let failed = pass(&mut a, trace)?;
+    let every = (trace.events.len() as u64 / PLOT_SAMPLES).max(1);
+    let mut samples = Vec::new();
+    let mut live: Vec<Option<u64>> = vec![None; trace.id_bound()];
+    let mut failed = 0;
+    for (i, ev) in trace.events.iter().enumerate() {
+        match *ev {
+            TraceEvent::Alloc { id, size, stream } => match a.alloc(size, stream) {
+                Ok(p) => live[id as usize] = Some(p),
+                Err(e) if e.is_oom() => failed += 1,
+                Err(e) => return Err(e),
+            },
+            TraceEvent::Free { id, .. } => {
+                if let Some(p) = live[id as usize].take() {
+                    a.free(p)?;
+                }
+            }
+        }
+        if i as u64 % every == 0 {
+            samples.push((i as u64, a.reserved_bytes()));
+        }
+    }
+    for p in live.into_iter().flatten() {
+        a.free(p)?;
+    }
     let cold = counter(&a).since(&before);
     let peak = a.peak_reserved_bytes();
-    finish(a, trace, cold, peak, failed)
+    let mut run = finish(a, trace, cold, peak, failed)?;
+    run.samples = samples;
+    Ok(run)
 }
 
 fn peer(
