@@ -22,6 +22,7 @@
 mod addr_index;
 mod block;
 mod compact_hooks;
+mod counted_lock;
 mod exact;
 mod granule_set;
 mod heap;
@@ -97,7 +98,7 @@ pub(crate) struct PoolShared {
     cfg: PoolConfig,
     info: DeviceInfo,
     slabs: Slabs,
-    heap: Mutex<HeapState>,
+    heap: counted_lock::CountedMutex<HeapState>,
     /// Slab base address -> slab id, for raw frees.
     slab_index: slab_index::SlabIndex,
     pending: PendingList<Pending>,
@@ -210,7 +211,7 @@ impl DevicePool {
         let shared = Arc::new(PoolShared {
             dev,
             slabs: Slabs::new(classes, max_slab, info.total_bytes, STREAM_SLOTS),
-            heap: Mutex::new(HeapState {
+            heap: counted_lock::CountedMutex::new(HeapState {
                 heap,
                 group_events: HashMap::default(),
                 free_slab_ids: vec![Vec::new(); classes_len],
@@ -1323,6 +1324,7 @@ impl PoolShared {
             num_allocs_grown: c.grown.load(Relaxed),
             num_alloc_retries: c.retries.load(Relaxed),
             num_ooms: c.ooms.load(Relaxed),
+            heap_lock_acquisitions: self.heap.acquisitions(),
             num_oom_waits: c.oom_waits.load(Relaxed),
             oom_host_syncs: c.oom_host_syncs.load(Relaxed),
             num_pending_frees: c.pending_frees.load(Relaxed),

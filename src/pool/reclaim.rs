@@ -9,7 +9,6 @@ use super::heap::Tag;
 use super::pending::{Pending, Waits};
 use super::{HeapState, PoolShared, Stream, StreamCore};
 use crate::error::{Error, Result};
-use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -343,7 +342,10 @@ impl PoolShared {
         result
     }
 
-    pub(super) fn mark_synced(p: Pending, heap: &Mutex<HeapState>) -> Pending {
+    pub(super) fn mark_synced(
+        p: Pending,
+        heap: &super::counted_lock::CountedMutex<HeapState>,
+    ) -> Pending {
         match p {
             Pending::Slots {
                 class,

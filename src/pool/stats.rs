@@ -57,6 +57,10 @@ pub struct PoolStats {
     pub num_alloc_retries: u64,
     /// Allocations that failed with out-of-memory.
     pub num_ooms: u64,
+    /// Times the device's heap mutex was taken (the large path and every
+    /// slow path): divided by operations, how device-wide the pool's
+    /// locking is.
+    pub heap_lock_acquisitions: u64,
     /// Times an allocation waited on the host for in-flight frees before
     /// giving up (the one host wait the alloc path may make: on the way to
     /// out of memory, waiting beats failing).

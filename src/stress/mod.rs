@@ -415,6 +415,7 @@ fn build_report(
             r.failed_verifies += t.failed_verifies;
         }
         dr.ops_per_sec = dr.ops as f64 / counts.seconds.max(1e-9);
+        dr.heap_locks_per_op = st.heap_lock_acquisitions as f64 / dr.ops.max(1) as f64;
         // Every block is freed by now: what is still live leaked.
         dr.leaked_bytes = st.allocated_bytes.current;
         r.per_device.push(dr);
@@ -437,6 +438,12 @@ fn build_report(
         r.peak_reserved_bytes += d.peak_reserved_bytes;
     }
     r.ops_per_sec = r.ops as f64 / counts.seconds.max(1e-9);
+    r.heap_locks_per_op = r
+        .per_device
+        .iter()
+        .map(|d| d.heap_locks_per_op * d.ops as f64)
+        .sum::<f64>()
+        / r.ops.max(1) as f64;
     r.p50_ns = alloc_ns.value_at_quantile(0.50);
     r.p99_ns = alloc_ns.value_at_quantile(0.99);
     r.p999_ns = alloc_ns.value_at_quantile(0.999);

@@ -52,6 +52,9 @@ pub struct DeviceStress {
     pub oom_waits: u64,
     /// Host syncs those waits made.
     pub oom_host_syncs: u64,
+    /// Acquisitions of the device's heap mutex (its one device-wide lock)
+    /// per operation (alloc or free).
+    pub heap_locks_per_op: f64,
     /// Frees parked on the pending list (cross-stream uses).
     pub pending_frees: u64,
     /// Pending blocks handed to another stream by a stream-wait-event.
@@ -145,6 +148,8 @@ pub struct StressReport {
     pub false_ooms: u64,
     /// Host waits on the way to out of memory, all devices.
     pub oom_waits: u64,
+    /// Acquisitions of the devices' heap mutexes per operation, all devices.
+    pub heap_locks_per_op: f64,
     /// Blocks also used on another stream (`record_stream`).
     pub cross_stream_uses: u64,
     /// Raw blocks freed from another stream than their own.
@@ -263,6 +268,11 @@ impl fmt::Display for StressReport {
             f,
             "  false OOMs        {} (memory not in use, request refused); {} host waits before OOM",
             self.false_ooms, self.oom_waits
+        )?;
+        writeln!(
+            f,
+            "  device locks      {:.3} heap-mutex acquisitions per operation",
+            self.heap_locks_per_op
         )?;
         writeln!(
             f,
