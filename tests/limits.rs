@@ -48,7 +48,10 @@ fn fill(
             "device holds {}",
             sim.used_bytes(0)
         );
-        assert!(live.len() as u64 * step as u64 <= 2 * limit, "no limit reached");
+        assert!(
+            live.len() as u64 * step as u64 <= 2 * limit,
+            "no limit reached"
+        );
     }
 }
 
