@@ -306,13 +306,15 @@ int gpupool_stats_json(int device, char *buf, size_t len);
 int gpupool_memory_stats_json(int device, char *buf, size_t len);
 
 /**
- * Resets the peaks of `device` (`-1`: every device) to the current values
- * (PyTorch's `reset_peak_memory_stats`).
+ * Resets the peaks of `device` (`-1`: every device in use; a device not
+ * used yet has no peaks) to the current values (PyTorch's
+ * `reset_peak_memory_stats`).
  */
 int gpupool_reset_peak_stats(int device);
 
 /**
- * Sets the memory limit of `device` (`-1`: every device): the pool never
+ * Sets the memory limit of `device` (`-1`: every device, starting the
+ * pools of devices not used yet): the pool never
  * holds more than `nbytes` of device memory (`0`: no limit but the
  * device), replacing the `max_bytes` and `fraction` keys. Lowering it
  * below what the pool holds gives cached memory back first (waiting for

@@ -918,15 +918,21 @@ pub unsafe extern "C" fn gpupool_memory_stats_json(
     })
 }
 
-/// Resets the peaks of `device` (`-1`: every device) to the current values
-/// (PyTorch's `reset_peak_memory_stats`).
+/// Resets the peaks of `device` (`-1`: every device in use; a device not
+/// used yet has no peaks) to the current values (PyTorch's
+/// `reset_peak_memory_stats`).
 #[no_mangle]
 pub extern "C" fn gpupool_reset_peak_stats(device: c_int) -> c_int {
     status("gpupool_reset_peak_stats", || {
         with_state(|st| {
-            for d in check_device_or_all(st, device)? {
-                st.pool(d as c_int)?.reset_peak_stats();
+            if device == -1 {
+                st.rt
+                    .active_devices()
+                    .into_iter()
+                    .for_each(|p| p.reset_peak_stats());
+                return Ok(());
             }
+            st.pool(device)?.reset_peak_stats();
             Ok(())
         })
     })
@@ -934,7 +940,8 @@ pub extern "C" fn gpupool_reset_peak_stats(device: c_int) -> c_int {
 
 // ---- limits -------------------------------------------------------------------------------
 
-/// Sets the memory limit of `device` (`-1`: every device): the pool never
+/// Sets the memory limit of `device` (`-1`: every device, starting the
+/// pools of devices not used yet): the pool never
 /// holds more than `nbytes` of device memory (`0`: no limit but the
 /// device), replacing the `max_bytes` and `fraction` keys. Lowering it
 /// below what the pool holds gives cached memory back first (waiting for
