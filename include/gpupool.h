@@ -65,6 +65,13 @@
 #include <sys/types.h>
 
 /**
+ * The version of this C ABI (`GPUPOOL_ABI_VERSION`): raised whenever a
+ * function's signature or meaning changes; new functions and statuses
+ * alone do not change it.
+ */
+#define GPUPOOL_ABI_VERSION 1
+
+/**
  * Status codes of the C ABI. Values are stable: new codes are only ever
  * appended.
  */
@@ -169,6 +176,12 @@ typedef enum GpupoolStatus {
   GPUPOOL_STATUS_IO = 22,
 } GpupoolStatus;
 
+/**
+ * The out-of-memory callback: `device`, the bytes `requested`, and the
+ * `user_data` given to `gpupool_set_oom_callback`.
+ */
+typedef void (*GpupoolOomCallback)(int device, size_t requested, void *user_data);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -265,15 +278,68 @@ int gpupool_stream_release(int device, void *stream);
 
 /**
  * Writes the statistics of `device` as one JSON object (the fields of
- * `PoolStats`: `device`, `allocated_bytes`, `reserved_bytes`,
- * `active_bytes`, `cached_bytes`, `pending_bytes` as `{"current", "peak"}`,
- * and the counters `num_allocs`, `num_frees`, `num_device_allocs`,
- * `num_ooms`, ...). See the buffer protocol in the header's preamble.
+ * `PoolStats`: `device`, `requested_bytes`, `allocated_bytes`,
+ * `active_bytes`, `reserved_bytes`, `inactive_split_bytes`,
+ * `cached_bytes`, `pending_bytes` as `{"current", "peak"}`, and the
+ * counters `num_allocs`, `num_frees`, `num_device_allocs`, `num_ooms`,
+ * ...). The byte names mean what PyTorch means: requested sizes, their
+ * rounded sizes, those plus freed blocks not yet reusable, device memory
+ * held. See the buffer protocol in the header's preamble, and
+ * `gpupool_memory_stats_json` for PyTorch's flat layout.
  *
  * # Safety
  * `buf` is NULL or valid for writes of `len` bytes.
  */
 int gpupool_stats_json(int device, char *buf, size_t len);
+
+/**
+ * Writes the statistics of `device` as one flat JSON object in the layout
+ * of `torch.cuda.memory_stats()`: `{"active_bytes.all.current": N,
+ * "allocated_bytes.all.current": N, "allocated_bytes.all.peak": N, ...,
+ * "num_alloc_retries": N, "num_ooms": N, ...}`, keys sorted, with PyTorch's
+ * meanings (see `PoolStats::memory_stats` in the Rust docs). Same buffer
+ * protocol as `gpupool_stats_json`.
+ *
+ * # Safety
+ * `buf` is NULL or valid for writes of `len` bytes.
+ */
+int gpupool_memory_stats_json(int device, char *buf, size_t len);
+
+/**
+ * Resets the peaks of `device` (`-1`: every device in use; a device not
+ * used yet has no peaks) to the current values (PyTorch's
+ * `reset_peak_memory_stats`).
+ */
+int gpupool_reset_peak_stats(int device);
+
+/**
+ * Sets the memory limit of `device` (`-1`: every device, starting the
+ * pools of devices not used yet): the pool never
+ * holds more than `nbytes` of device memory (`0`: no limit but the
+ * device), replacing the `max_bytes` and `fraction` keys. Lowering it
+ * below what the pool holds gives cached memory back first (waiting for
+ * pending frees, like `gpupool_trim`); live memory stays, and the pool
+ * refuses to grow until it is under the limit. An allocation the limit
+ * refuses fails with `GPUPOOL_STATUS_OUT_OF_MEMORY`.
+ */
+int gpupool_set_memory_limit(int device, uint64_t nbytes);
+
+/**
+ * Registers `callback` (`NULL`: none), called once for every
+ * out-of-memory error on any device, on the allocating thread, just
+ * before the failing call returns `GPUPOOL_STATUS_OUT_OF_MEMORY` (or
+ * `gpupool_torch_malloc` returns `NULL`). It may read statistics
+ * (`gpupool_memory_stats_json`) but must not allocate through gpupool.
+ * Works before `gpupool_init` and across restarts.
+ */
+int gpupool_set_oom_callback(GpupoolOomCallback callback, void *user_data);
+
+/**
+ * The ABI version of the loaded library; compare with the header's
+ * `GPUPOOL_ABI_VERSION` (they differ when the header and the library come
+ * from different releases).
+ */
+int gpupool_abi_version(void);
 
 /**
  * Writes a snapshot of `device` (`-1`: every device) as a JSON array of

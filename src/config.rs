@@ -78,6 +78,15 @@ pub struct PoolConfig {
     /// reports give (`driver_costs=<file>`, `cost.<call>=<µs>`; see
     /// [`CostTable`]).
     pub driver_costs: CostTable,
+    /// The most device memory a pool holds (`max_bytes=`; `None`: no limit
+    /// but the device). See `DevicePool::set_memory_limit`.
+    pub max_bytes: Option<u64>,
+    /// The most device memory a pool holds, as a fraction of the device's
+    /// memory in `(0, 1]` (`fraction=`; the smaller limit wins).
+    pub memory_fraction: Option<f64>,
+    /// Device memory reserved and mapped when a pool is built
+    /// (`initial_bytes=`; it stays cached for the first allocations).
+    pub initial_bytes: u64,
 }
 
 impl Default for PoolConfig {
@@ -98,6 +107,9 @@ impl Default for PoolConfig {
             idle_release: None,
             release_fraction: 2.0,
             driver_costs: CostTable::published(),
+            max_bytes: None,
+            memory_fraction: None,
+            initial_bytes: 0,
         }
     }
 }
@@ -173,6 +185,18 @@ impl PoolConfig {
         (
             "release_fraction",
             "idle release keeps cached bytes up to this multiple of the last busy period's peak (default 2)",
+        ),
+        (
+            "max_bytes",
+            "most device memory each pool holds, on every backend; 0 = no limit (default 0)",
+        ),
+        (
+            "fraction",
+            "most device memory each pool holds, as a fraction (0, 1] of the device's memory (default 1); with max_bytes the smaller wins",
+        ),
+        (
+            "initial_bytes",
+            "device memory each pool reserves and maps when it is built (default 0)",
         ),
         (
             "driver_costs",
@@ -277,6 +301,20 @@ impl PoolConfig {
                     }
                     c.release_fraction = f;
                 }
+                "max_bytes" => {
+                    let b = parse_size(value).map_err(bad)?;
+                    c.max_bytes = (b > 0).then_some(b);
+                }
+                "fraction" => {
+                    let f: f64 = value
+                        .parse()
+                        .map_err(|_| bad(format!("{value:?} is not a number")))?;
+                    if !(f.is_finite() && f > 0.0 && f <= 1.0) {
+                        return Err(bad(format!("{value}: a fraction in (0, 1]")));
+                    }
+                    c.memory_fraction = (f < 1.0).then_some(f);
+                }
+                "initial_bytes" => c.initial_bytes = parse_size(value).map_err(bad)?,
                 "driver_costs" => {
                     c.driver_costs = CostTable::load(std::path::Path::new(value))
                         .map_err(|e| bad(e.to_string()))?
@@ -464,6 +502,7 @@ mod tests {
             "backing" => "accounting",
             "vmm" | "handover" | "thread_cache" | "compact_release" => "false",
             "granularity" => "64KiB",
+            "fraction" => "0.5",
             _ => "3",
         };
         let file = std::env::temp_dir().join(format!("gpupool-costs-{}.json", std::process::id()));

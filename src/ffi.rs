@@ -315,6 +315,8 @@ struct State {
     sim: bool,
     /// Per device: raw stream handle -> stream.
     streams: Vec<RwLock<HashMap<u64, Known>>>,
+    /// Per device: whether the pool calls the C out-of-memory callback.
+    oom_hooked: Vec<AtomicBool>,
 }
 
 enum Global {
@@ -331,7 +333,9 @@ static GLOBAL: RwLock<Global> = parking_lot::const_rwlock(Global::Uninit);
 static LOG_INSTALLED: AtomicBool = AtomicBool::new(false);
 
 fn with_state<T>(f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> {
-    let g = GLOBAL.read();
+    // Recursive: an out-of-memory callback runs inside a call and may call
+    // in again (to read statistics) while `gpupool_shutdown` waits.
+    let g = GLOBAL.read_recursive();
     match &*g {
         Global::Live(s) => f(s),
         Global::Uninit => Err(Fail::new(
@@ -390,7 +394,15 @@ fn init_from(conf: Option<&str>) -> FResult<()> {
     let streams = (0..rt.device_count())
         .map(|_| RwLock::new(HashMap::new()))
         .collect();
-    *g = Global::Live(Box::new(State { rt, sim, streams }));
+    let oom_hooked = (0..rt.device_count())
+        .map(|_| AtomicBool::new(false))
+        .collect();
+    *g = Global::Live(Box::new(State {
+        rt,
+        sim,
+        streams,
+        oom_hooked,
+    }));
     Ok(())
 }
 
@@ -406,8 +418,13 @@ impl State {
                     format!("invalid device {device}: {n} device(s) present"),
                 )
             })?;
-        // Built on first use.
-        Ok(self.rt.device(d)?)
+        // Built on first use; the C out-of-memory callback is hooked to
+        // each pool once, when the ABI first sees it.
+        let pool = self.rt.device(d)?;
+        if !self.oom_hooked[d].swap(true, Ordering::AcqRel) {
+            pool.on_oom(Box::new(call_oom_callback));
+        }
+        Ok(pool)
     }
 
     /// Runs `f` with the pool of `device` and the stream `handle` of it.
@@ -607,7 +624,7 @@ pub extern "C" fn gpupool_shutdown() -> c_int {
         };
         if let Global::Live(st) = old {
             for p in st.rt.active_devices() {
-                let live = p.stats().allocated_bytes.current;
+                let live = p.stats().requested_bytes.current;
                 if live > 0 {
                     tracing::warn!(
                         device = p.device(),
@@ -845,10 +862,14 @@ pub extern "C" fn gpupool_stream_release(device: c_int, stream: *mut c_void) -> 
 // ---- observability ------------------------------------------------------------------------
 
 /// Writes the statistics of `device` as one JSON object (the fields of
-/// `PoolStats`: `device`, `allocated_bytes`, `reserved_bytes`,
-/// `active_bytes`, `cached_bytes`, `pending_bytes` as `{"current", "peak"}`,
-/// and the counters `num_allocs`, `num_frees`, `num_device_allocs`,
-/// `num_ooms`, ...). See the buffer protocol in the header's preamble.
+/// `PoolStats`: `device`, `requested_bytes`, `allocated_bytes`,
+/// `active_bytes`, `reserved_bytes`, `inactive_split_bytes`,
+/// `cached_bytes`, `pending_bytes` as `{"current", "peak"}`, and the
+/// counters `num_allocs`, `num_frees`, `num_device_allocs`, `num_ooms`,
+/// ...). The byte names mean what PyTorch means: requested sizes, their
+/// rounded sizes, those plus freed blocks not yet reusable, device memory
+/// held. See the buffer protocol in the header's preamble, and
+/// `gpupool_memory_stats_json` for PyTorch's flat layout.
 ///
 /// # Safety
 /// `buf` is NULL or valid for writes of `len` bytes.
@@ -866,6 +887,129 @@ pub unsafe extern "C" fn gpupool_stats_json(device: c_int, buf: *mut c_char, len
         // SAFETY: `buf` is NULL or valid for `len` bytes (caller's contract).
         unsafe { write_text(buf, len, &json) }
     })
+}
+
+/// Writes the statistics of `device` as one flat JSON object in the layout
+/// of `torch.cuda.memory_stats()`: `{"active_bytes.all.current": N,
+/// "allocated_bytes.all.current": N, "allocated_bytes.all.peak": N, ...,
+/// "num_alloc_retries": N, "num_ooms": N, ...}`, keys sorted, with PyTorch's
+/// meanings (see `PoolStats::memory_stats` in the Rust docs). Same buffer
+/// protocol as `gpupool_stats_json`.
+///
+/// # Safety
+/// `buf` is NULL or valid for writes of `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_memory_stats_json(
+    device: c_int,
+    buf: *mut c_char,
+    len: usize,
+) -> c_int {
+    status("gpupool_memory_stats_json", || {
+        if buf.is_null() && len != 0 {
+            return Err(Fail::null("buf"));
+        }
+        let json = with_state(|st| {
+            let flat = st.pool(device)?.stats().memory_stats();
+            serde_json::to_string(&flat)
+                .map_err(|e| Fail::new(GpupoolStatus::Io, format!("serializing stats: {e}")))
+        })?;
+        // SAFETY: `buf` is NULL or valid for `len` bytes (caller's contract).
+        unsafe { write_text(buf, len, &json) }
+    })
+}
+
+/// Resets the peaks of `device` (`-1`: every device in use; a device not
+/// used yet has no peaks) to the current values (PyTorch's
+/// `reset_peak_memory_stats`).
+#[no_mangle]
+pub extern "C" fn gpupool_reset_peak_stats(device: c_int) -> c_int {
+    status("gpupool_reset_peak_stats", || {
+        with_state(|st| {
+            if device == -1 {
+                st.rt
+                    .active_devices()
+                    .into_iter()
+                    .for_each(|p| p.reset_peak_stats());
+                return Ok(());
+            }
+            st.pool(device)?.reset_peak_stats();
+            Ok(())
+        })
+    })
+}
+
+// ---- limits -------------------------------------------------------------------------------
+
+/// Sets the memory limit of `device` (`-1`: every device, starting the
+/// pools of devices not used yet): the pool never
+/// holds more than `nbytes` of device memory (`0`: no limit but the
+/// device), replacing the `max_bytes` and `fraction` keys. Lowering it
+/// below what the pool holds gives cached memory back first (waiting for
+/// pending frees, like `gpupool_trim`); live memory stays, and the pool
+/// refuses to grow until it is under the limit. An allocation the limit
+/// refuses fails with `GPUPOOL_STATUS_OUT_OF_MEMORY`.
+#[no_mangle]
+pub extern "C" fn gpupool_set_memory_limit(device: c_int, nbytes: u64) -> c_int {
+    status("gpupool_set_memory_limit", || {
+        with_state(|st| {
+            for d in check_device_or_all(st, device)? {
+                st.pool(d as c_int)?
+                    .set_memory_limit((nbytes > 0).then_some(nbytes))?;
+            }
+            Ok(())
+        })
+    })
+}
+
+/// The out-of-memory callback: `device`, the bytes `requested`, and the
+/// `user_data` given to `gpupool_set_oom_callback`.
+pub type GpupoolOomCallback =
+    Option<unsafe extern "C" fn(device: c_int, requested: usize, user_data: *mut c_void)>;
+
+/// The callback and its user data (an address), process-wide.
+static OOM_CALLBACK: RwLock<Option<(unsafe extern "C" fn(c_int, usize, *mut c_void), usize)>> =
+    parking_lot::const_rwlock(None);
+
+/// Registers `callback` (`NULL`: none), called once for every
+/// out-of-memory error on any device, on the allocating thread, just
+/// before the failing call returns `GPUPOOL_STATUS_OUT_OF_MEMORY` (or
+/// `gpupool_torch_malloc` returns `NULL`). It may read statistics
+/// (`gpupool_memory_stats_json`) but must not allocate through gpupool.
+/// Works before `gpupool_init` and across restarts.
+#[no_mangle]
+pub extern "C" fn gpupool_set_oom_callback(
+    callback: GpupoolOomCallback,
+    user_data: *mut c_void,
+) -> c_int {
+    status("gpupool_set_oom_callback", || {
+        *OOM_CALLBACK.write() = callback.map(|f| (f, user_data as usize));
+        Ok(())
+    })
+}
+
+/// Calls the registered C callback, if any, for `report`.
+fn call_oom_callback(report: &crate::error::OomReport) {
+    let cb = *OOM_CALLBACK.read();
+    if let Some((f, user)) = cb {
+        let dev = c_int::try_from(report.device).unwrap_or(c_int::MAX);
+        let requested = usize::try_from(report.requested).unwrap_or(usize::MAX);
+        // SAFETY: the caller registered `f` with this signature and keeps
+        // `user` valid while it is registered (the header's contract).
+        unsafe { f(dev, requested, user as *mut c_void) };
+    }
+}
+
+/// The version of this C ABI (`GPUPOOL_ABI_VERSION`): raised whenever a
+/// function's signature or meaning changes; new functions and statuses
+/// alone do not change it.
+pub const GPUPOOL_ABI_VERSION: c_int = 1;
+
+/// The ABI version of the loaded library; compare with the header's
+/// `GPUPOOL_ABI_VERSION` (they differ when the header and the library come
+/// from different releases).
+#[no_mangle]
+pub extern "C" fn gpupool_abi_version() -> c_int {
+    GPUPOOL_ABI_VERSION
 }
 
 /// Writes a snapshot of `device` (`-1`: every device) as a JSON array of

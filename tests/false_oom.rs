@@ -59,7 +59,7 @@ fn run(seed: u64, threads: u64, per_thread: usize) -> Arc<Tally> {
                 let b = dev.new_stream().unwrap();
                 let mut held = Vec::new();
                 for _ in 0..per_thread {
-                    if held.len() >= 10 || (held.len() > 0 && rng.next() % 3 == 0) {
+                    if held.len() >= 10 || (!held.is_empty() && rng.next() % 3 == 0) {
                         let i = (rng.next() % held.len() as u64) as usize;
                         let (blk, size): (gpupool::Block<'_>, u64) = held.swap_remove(i);
                         tally.live.fetch_sub(size, SeqCst);

@@ -126,7 +126,7 @@ fn assert_no_leak(rt: &Runtime, what: &str) {
     let st = dev
         .audit()
         .unwrap_or_else(|e| panic!("{what}: audit after trim: {e}"));
-    assert_eq!(st.allocated_bytes.current, 0, "{what}: {st:?}");
+    assert_eq!(st.requested_bytes.current, 0, "{what}: {st:?}");
     assert_eq!(st.reserved_bytes.current, 0, "{what}: {st:?}");
     assert_eq!(sim.used_bytes(0), 0, "{what}: physical memory still held");
     assert_eq!(sim.integrity_errors(0), 0, "{what}: corrupted bytes");
@@ -270,12 +270,12 @@ fn nth_workload(n: u64) -> NthOutcome {
                 }
                 let after = dev.stats();
                 assert_eq!(
-                    after.allocated_bytes.current, before.allocated_bytes.current,
-                    "n={n}: a failed alloc changed allocated bytes ({msg})"
+                    after.requested_bytes.current, before.requested_bytes.current,
+                    "n={n}: a failed alloc changed requested bytes ({msg})"
                 );
                 assert_eq!(
-                    after.active_bytes.current, before.active_bytes.current,
-                    "n={n}: a failed alloc changed active bytes ({msg})"
+                    after.allocated_bytes.current, before.allocated_bytes.current,
+                    "n={n}: a failed alloc changed allocated bytes ({msg})"
                 );
                 assert_eq!(after.num_allocs, before.num_allocs, "n={n}");
                 dev.audit()
@@ -711,7 +711,7 @@ fn thread_panics_while_holding_blocks() {
             .audit()
             .unwrap_or_else(|e| panic!("audit after panic: {e}"));
         // Blocks were dropped during unwinding; only the raw pointers remain.
-        assert_eq!(st.allocated_bytes.current, raw_bytes, "{st:?}");
+        assert_eq!(st.requested_bytes.current, raw_bytes, "{st:?}");
         for &(p, size) in &leaked {
             assert_eq!(dev.raw_size(p), Some(size));
         }

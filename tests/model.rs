@@ -222,8 +222,8 @@ fn pattern(seed: u64, len: u64) -> Vec<u8> {
 
 fn key_stats(s: &PoolStats) -> [u64; 10] {
     [
+        s.requested_bytes.current,
         s.allocated_bytes.current,
-        s.active_bytes.current,
         s.reserved_bytes.current,
         s.cached_bytes.current,
         s.pending_bytes.current,
@@ -334,10 +334,10 @@ impl<'a> Model<'a> {
         self.check_device()?;
         let st = self.dev.audit().map_err(|e| format!("audit: {e}"))?;
         let live_bytes: u64 = self.live.iter().map(|l| l.size).sum();
-        if st.allocated_bytes.current != live_bytes {
+        if st.requested_bytes.current != live_bytes {
             return Err(format!(
                 "allocated {} != model's live bytes {live_bytes}",
-                st.allocated_bytes.current
+                st.requested_bytes.current
             ));
         }
         if (st.num_allocs, st.num_frees) != (self.allocs, self.frees) {
@@ -346,8 +346,8 @@ impl<'a> Model<'a> {
                 st.num_allocs, st.num_frees, self.allocs, self.frees
             ));
         }
-        if st.active_bytes.current < st.allocated_bytes.current {
-            return Err("active < allocated".into());
+        if st.allocated_bytes.current < st.requested_bytes.current {
+            return Err("allocated (rounded) < requested".into());
         }
         let used = self.sim.used_bytes(0);
         if st.reserved_bytes.current != used || used > CAPACITY {

@@ -63,8 +63,8 @@ fn the_design_contract_example_runs() {
     let st = dev.stats();
     assert_eq!(st.num_allocs, 2);
     assert_eq!(st.num_frees, 2);
-    assert_eq!(st.allocated_bytes.current, 0);
-    assert_eq!(st.allocated_bytes.peak, (1 << 20) + 4096);
+    assert_eq!(st.requested_bytes.current, 0);
+    assert_eq!(st.requested_bytes.peak, (1 << 20) + 4096);
     assert!(rt.trim().unwrap() > 0);
     assert_eq!(dev.stats().reserved_bytes.current, 0);
     assert!(matches!(rt.device(4), Err(Error::InvalidDevice { .. })));
@@ -149,14 +149,14 @@ fn parked_ranges_serve_slightly_shorter_requests_of_their_class() {
     // Classes of 1 MiB and up are 16 KiB wide.
     let big = (MIB + 12 * 1024) as usize;
     let p = dev.alloc(big, &s1).unwrap().ptr();
-    let active_before = dev.stats().active_bytes.current;
+    let allocated_before = dev.stats().allocated_bytes.current;
     let shorter = dev.alloc(MIB as usize, &s1).unwrap();
     assert_eq!(shorter.ptr(), p, "a shorter request of the class reuses it");
     assert_eq!(shorter.size(), MIB as usize, "size() is the requested size");
     let st = dev.stats();
-    assert_eq!(st.allocated_bytes.current, MIB);
+    assert_eq!(st.requested_bytes.current, MIB);
     assert_eq!(
-        st.active_bytes.current - active_before,
+        st.allocated_bytes.current - allocated_before,
         big as u64,
         "the block holds the whole parked range"
     );
@@ -166,7 +166,7 @@ fn parked_ranges_serve_slightly_shorter_requests_of_their_class() {
     assert_ne!(other.ptr(), p, "another stream never takes a parked range");
     drop(other);
     dev.audit().unwrap();
-    assert_eq!(dev.stats().allocated_bytes.current, 0);
+    assert_eq!(dev.stats().requested_bytes.current, 0);
 }
 
 /// A parked range taken back records its new block late (the heap logs
@@ -273,7 +273,7 @@ fn owner_words_written_late_are_seen_by_snapshots_raw_frees_and_the_audit() {
     drop(big);
     drop(blocks);
     dev.audit().unwrap();
-    assert_eq!(dev.stats().allocated_bytes.current, 0);
+    assert_eq!(dev.stats().requested_bytes.current, 0);
 }
 
 /// Before growing, the large path takes memory another stream freed with
@@ -499,9 +499,9 @@ fn a_map_failing_part_way_through_a_stitch_changes_nothing() {
             .unwrap_or_else(|e| panic!("map #{n} failing: audit: {e}"));
         let after = dev.stats();
         assert_eq!(
-            (after.allocated_bytes.current, after.reserved_bytes.current),
+            (after.requested_bytes.current, after.reserved_bytes.current),
             (
-                before.allocated_bytes.current,
+                before.requested_bytes.current,
                 before.reserved_bytes.current
             ),
             "map #{n} failing changed the books"
@@ -563,8 +563,8 @@ fn out_of_memory_is_typed_and_reports_figures() {
     let after = dev.stats();
     assert_eq!(after.num_ooms, before.num_ooms + 1);
     assert_eq!(
-        after.allocated_bytes.current,
-        before.allocated_bytes.current
+        after.requested_bytes.current,
+        before.requested_bytes.current
     );
     dev.audit().unwrap();
 }
@@ -638,8 +638,8 @@ fn bad_input_returns_typed_errors_and_changes_nothing() {
     ));
 
     let after = dev.stats();
+    assert_eq!(before.requested_bytes, after.requested_bytes);
     assert_eq!(before.allocated_bytes, after.allocated_bytes);
-    assert_eq!(before.active_bytes, after.active_bytes);
     assert_eq!(before.reserved_bytes.current, after.reserved_bytes.current);
     assert_eq!(
         (before.num_allocs, before.num_frees),
@@ -649,7 +649,7 @@ fn bad_input_returns_typed_errors_and_changes_nothing() {
     // The live ones still free normally.
     dev.free_raw(keep, &s).unwrap();
     dev.free_raw(keep_large, &s).unwrap();
-    assert_eq!(dev.stats().allocated_bytes.current, 0);
+    assert_eq!(dev.stats().requested_bytes.current, 0);
 }
 
 #[test]
@@ -866,7 +866,7 @@ fn snapshot_covers_reserved_memory_and_live_blocks() {
         .filter(|b| b.state == gpupool::pool::BlockState::ActiveAllocated)
         .map(|b| b.requested_size)
         .sum();
-    assert_eq!(live, st.allocated_bytes.current);
+    assert_eq!(live, st.requested_bytes.current);
     assert!(snap
         .segments
         .iter()

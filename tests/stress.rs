@@ -300,14 +300,14 @@ fn stress(setup: Setup) {
         let st = dev.stats();
         eprintln!(
             "  device {d}: peak live {} MiB, peak reserved {} MiB, {} pending frees, {} handovers",
-            st.allocated_bytes.peak >> 20,
+            st.requested_bytes.peak >> 20,
             st.reserved_bytes.peak >> 20,
             st.num_pending_frees,
             st.num_handovers
         );
         assert_eq!(sim.integrity_errors(d), 0, "device {d}: corrupted bytes");
         assert_eq!(sim.device_faults(d), 0, "device {d}: unmapped accesses");
-        assert_eq!(st.allocated_bytes.current, 0, "device {d}: {st:?}");
+        assert_eq!(st.requested_bytes.current, 0, "device {d}: {st:?}");
         assert_eq!(st.num_allocs, st.num_frees, "device {d}: {st:?}");
         dev.audit()
             .unwrap_or_else(|e| panic!("device {d}: audit: {e}"));

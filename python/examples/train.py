@@ -7,9 +7,11 @@ allocator, each in its own process, and prints one JSON report:
        "peak_allocated_bytes": ..., "final_loss": ..., ...},
       {"allocator": "pytorch", ...}]}
 
-Peaks for gpupool come from gpupool_stats_json (reserved_bytes.peak,
-allocated_bytes.peak); for PyTorch from torch.cuda.max_memory_reserved /
-max_memory_allocated. Without torch or a CUDA device it prints
+Peaks compare like with like, in PyTorch's meanings on both sides:
+peak_allocated_bytes is the peak of the rounded sizes of live blocks,
+peak_requested_bytes that of the sizes asked for, peak_reserved_bytes that of
+device memory held; for gpupool from gpupool.memory_stats(), for PyTorch from
+torch.cuda.memory_stats(). Without torch or a CUDA device it prints
 {"skipped": true, "reason": ...} and exits 0.
 
     cargo build --release
@@ -37,9 +39,9 @@ def skip(reason: str) -> None:
 
 def child(args) -> dict:
     if args.allocator == "gpupool":
-        import gpupool_torch
+        import gpupool.torch
 
-        gpupool_torch.install(os.environ.get("GPUPOOL_CONF", "backend=cuda"))
+        gpupool.torch.install(os.environ.get("GPUPOOL_CONF", "backend=cuda"))
     import torch
     import torch.nn as nn
 
@@ -91,12 +93,13 @@ def child(args) -> dict:
         "device": torch.cuda.get_device_name(dev),
     }
     if args.allocator == "gpupool":
-        import gpupool_torch
+        import gpupool.torch as gpupool_torch
 
         st = gpupool_torch.stats(0)
         report.update(
             peak_reserved_bytes=st["reserved_bytes"]["peak"],
             peak_allocated_bytes=st["allocated_bytes"]["peak"],
+            peak_requested_bytes=st["requested_bytes"]["peak"],
             num_allocs=st["num_allocs"],
             num_device_allocs=st["num_device_allocs"],
             num_ooms=st["num_ooms"],
@@ -108,6 +111,7 @@ def child(args) -> dict:
         report.update(
             peak_reserved_bytes=torch.cuda.max_memory_reserved(dev),
             peak_allocated_bytes=torch.cuda.max_memory_allocated(dev),
+            peak_requested_bytes=torch.cuda.memory_stats(dev).get("requested_bytes.all.peak"),
         )
     return report
 

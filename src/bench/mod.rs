@@ -1170,7 +1170,7 @@ mod tests {
         random_allocations(&mut GpupoolTarget { dev, stream: &s }, 2_000, 1).unwrap();
         let st = dev.stats();
         assert_eq!(st.num_allocs, 2_000);
-        assert_eq!(st.allocated_bytes.current, 0);
+        assert_eq!(st.requested_bytes.current, 0);
         let torch = torch_peer_pool();
         random_allocations(&mut &torch, 2_000, 1).unwrap();
         let st = torch.stats(0).unwrap();

@@ -193,7 +193,7 @@ fn touch(
 
 fn usage(pool: &DevicePool) -> Usage {
     let s = pool.stats();
-    let live = s.allocated_bytes.current;
+    let live = s.requested_bytes.current;
     let reserved = s.reserved_bytes.current;
     Usage {
         live_bytes: live,
@@ -321,7 +321,7 @@ pub fn run(opts: &FragmentOptions) -> Result<FragmentReport> {
     rep.host_syncs_on_alloc_path = host_syncs_on_alloc_path;
     rep.ops = opts.blocks as u64 + freed + rep.load_ops;
     let st = pool.stats();
-    rep.peak_live_bytes = st.allocated_bytes.peak;
+    rep.peak_live_bytes = st.requested_bytes.peak;
     rep.peak_reserved_bytes = st.reserved_bytes.peak;
     drop(survivors);
     pool.trim()?;

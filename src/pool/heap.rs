@@ -195,6 +195,10 @@ pub(crate) struct Heap {
     pub device_frees: u64,
     /// Peer devices granted access to every mapped chunk (see `peer.rs`).
     peers: Vec<usize>,
+    /// The most device memory the heap may hold (`max_bytes`, `fraction`,
+    /// `set_memory_limit`; see `limits.rs`): consulted before every chunk
+    /// or segment is created.
+    pub(crate) limit: super::limits::Limit,
 }
 
 /// An allocated range's length and the word its owner keeps with it.
@@ -314,6 +318,7 @@ impl Heap {
             device_allocs: 0,
             device_frees: 0,
             peers: Vec::new(),
+            limit: super::limits::Limit::default(),
             backend,
         };
         if info.vmm_supported {
@@ -989,6 +994,14 @@ impl Heap {
         // PyTorch's segment sizes: small requests share 20 MiB segments.
         let want = if len < (10 << 20) { 20 << 20 } else { len };
         let seg_len = align_up(want + if align > ALIGN { align } else { 0 }, self.gran);
+        // Under a memory limit, a small request's segment shrinks to fit.
+        let seg_len = self.limit.fit_segment(
+            self.reserved,
+            seg_len,
+            align_up(len + align, self.gran),
+            self.gran,
+        );
+        self.limit.admit(self.dev, self.reserved, seg_len)?;
         let base = self.backend.alloc_segment(self.dev, seg_len)?.addr();
         tracing::debug!(device = self.dev, bytes = seg_len, "segment allocated");
         self.device_allocs += 1;
@@ -1046,6 +1059,13 @@ impl Heap {
         let mut victims = self.stealable(ctx, need_len.saturating_sub(self.spare_len()));
         let reusable = self.spare_len() + victims.iter().map(|v| v.1 as usize).sum::<usize>();
         let shortfall = need_len.saturating_sub(reusable);
+        if let Err(e) = self
+            .limit
+            .admit(self.dev, self.reserved, shortfall as u64 * self.gran)
+        {
+            self.drop_users(start, len);
+            return Err(e);
+        }
         let mut created = Vec::with_capacity(shortfall);
         for _ in 0..shortfall {
             match self.backend.create_chunk(self.dev, self.gran) {
@@ -2297,6 +2317,26 @@ impl Heap {
             g += 1;
         }
         out
+    }
+}
+
+impl Heap {
+    /// Cached bytes [`Heap::release_cached`] can give back (after the
+    /// streams' frees are flushed): idle granules, spare chunks and chunks
+    /// waiting on quarantined mappings, or wholly free segments. The rest
+    /// of the free memory shares a granule or a segment with allocated
+    /// ranges (PyTorch's "inactive split" memory).
+    pub(crate) fn releasable_bytes(&self) -> u64 {
+        match &self.phys {
+            Physical::Vmm { idle, spare, .. } => {
+                (idle.len() + spare.len() + self.deferred.len()) as u64 * self.gran
+            }
+            Physical::Segments { segs } => segs
+                .iter()
+                .filter(|(b, l)| matches!(self.by_addr.get(**b), Some(r) if r.len == **l))
+                .map(|(_, l)| *l)
+                .sum(),
+        }
     }
 }
 

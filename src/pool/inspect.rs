@@ -153,7 +153,7 @@ impl PoolShared {
             .filter(|(a, _, _)| !parked_addrs.contains(a))
             .map(|(_, len, _)| len)
             .sum();
-        let (allocated, active, _, _) = self.counters.totals();
+        let (requested, allocated, _, _) = self.counters.totals();
         let parked = h.exact.bytes;
         drop(h);
         if large_ranges != large_live {
@@ -161,13 +161,15 @@ impl PoolShared {
                 "live large blocks span {large_ranges} B, the heap holds {large_live} B for them"
             ));
         }
-        if active != large_live + live_slots + mv_live {
+        if allocated != large_live + live_slots + mv_live {
             return Err(format!(
-                "active counter {active} != live large ranges {large_live} + live slots {live_slots} + live movable {mv_live}"
+                "allocated counter {allocated} != live large ranges {large_live} + live slots {live_slots} + live movable {mv_live}"
             ));
         }
-        if allocated > active {
-            return Err(format!("allocated {allocated} exceeds active {active}"));
+        if requested > allocated {
+            return Err(format!(
+                "requested {requested} exceeds allocated {allocated}"
+            ));
         }
         if c.pending_bytes != self.counters.pending_slot_bytes.load(Relaxed) {
             return Err("pending slot byte counter drifted".into());
@@ -175,15 +177,15 @@ impl PoolShared {
         let stats = self.stats();
         let cached =
             f.free_clean + f.free_dirty + f.spare + c.free_bytes + parked + magazines + mv_free;
-        let sum = stats.active_bytes.current
+        let sum = stats.allocated_bytes.current
             + stats.pending_bytes.current
             + cached
             + stats.overhead_bytes;
         if sum != stats.reserved_bytes.current || cached != stats.cached_bytes.current {
             return Err(format!(
-                "reserved {} != active {} + pending {} + cached {cached} + overhead {}",
+                "reserved {} != allocated {} + pending {} + cached {cached} + overhead {}",
                 stats.reserved_bytes.current,
-                stats.active_bytes.current,
+                stats.allocated_bytes.current,
                 stats.pending_bytes.current,
                 stats.overhead_bytes
             ));

@@ -27,6 +27,7 @@ mod exact;
 mod granule_set;
 mod heap;
 mod inspect;
+mod limits;
 #[cfg(all(test, loom))]
 mod loom_tests;
 mod magazine;
@@ -47,6 +48,7 @@ mod stream;
 pub(crate) mod sync;
 
 pub use block::Block;
+pub use limits::OomCallback;
 pub use maintain::MaintainReport;
 pub use size_class::{SizeClasses, ALIGN};
 pub use snapshot::{BlockInfo, BlockState, HistoryAction, HistoryEvent, SegmentInfo, Snapshot};
@@ -131,6 +133,9 @@ pub(crate) struct PoolShared {
     maint_gate: Mutex<()>,
     /// Movable blocks and compaction (`src/compact/`).
     movable: crate::compact::Arena,
+    /// The memory limit (shared with the heap) and the out-of-memory
+    /// observer (`limits.rs`).
+    limits: limits::PoolLimits,
 }
 
 thread_local! {
@@ -201,12 +206,17 @@ impl DevicePool {
         // The heap's shortest request: a large block just over the small
         // classes, or the smallest slab (movable regions are granules).
         let request_floor = round_large(classes.small_max() + 1).min(small::MIN_SLAB);
-        let heap = Heap::new(
+        let mut heap = Heap::new(
             backend.clone(),
             dev,
             info.total_bytes.saturating_mul(cfg.va_factor),
             request_floor,
         )?;
+        let pool_limits = limits::PoolLimits::default();
+        pool_limits
+            .limit
+            .set(limits::configured(&cfg, info.total_bytes));
+        heap.limit = pool_limits.limit.clone();
         let reservation = heap.reservation();
         let shared = Arc::new(PoolShared {
             dev,
@@ -236,10 +246,12 @@ impl DevicePool {
             idle: Mutex::new(maintain::IdleState::default()),
             maint_gate: Mutex::new(()),
             movable: crate::compact::Arena::new(gran.max(2 << 20).next_power_of_two()),
+            limits: pool_limits,
             backend,
             cfg,
             info,
         });
+        shared.reserve_initial()?;
         let default_stream = shared.stream_for(StreamHandle(0), false);
         // The pool holds the only `PoolShared` reference that ends device
         // memory: streams and per-thread caches may hold the rest.
@@ -345,11 +357,7 @@ impl DevicePool {
     /// Resets peaks to the current values.
     pub fn reset_peak_stats(&self) {
         let s = self.stats();
-        self.shared.counters.reset_peaks(
-            s.reserved_bytes.current,
-            s.cached_bytes.current,
-            s.pending_bytes.current,
-        );
+        self.shared.counters.reset_peaks(&stats::PeakReset::of(&s));
     }
 
     /// Harvests completed pending frees without blocking; returns how many
@@ -1009,7 +1017,7 @@ impl PoolShared {
         let report = OomReport {
             device: self.dev,
             requested,
-            live: s.allocated_bytes.current,
+            live: s.requested_bytes.current,
             reserved: s.reserved_bytes.current,
             cached: s.cached_bytes.current,
             pending: s.pending_bytes.current,
@@ -1017,6 +1025,7 @@ impl PoolShared {
             capacity: self.info.total_bytes,
         };
         tracing::warn!(device = self.dev, "out of memory: {report}");
+        self.limits.report_oom(&report);
         Error::OutOfMemory(Box::new(report))
     }
 
@@ -1283,8 +1292,8 @@ impl PoolShared {
     // ---- observability -----------------------------------------------------------------
 
     fn stats(&self) -> PoolStats {
-        let (allocated, active, allocs, frees) = self.counters.totals();
-        let (reserved, heap_pending, overhead, device_allocs, device_frees) = {
+        let (requested, allocated, allocs, frees) = self.counters.totals();
+        let (reserved, heap_pending, overhead, device_allocs, device_frees, releasable) = {
             let h = self.heap.lock();
             let f = h.heap.figures();
             (
@@ -1293,48 +1302,31 @@ impl PoolShared {
                 h.slab_tail_bytes,
                 h.heap.device_allocs,
                 h.heap.device_frees,
+                h.heap.releasable_bytes(),
             )
         };
         let pending = heap_pending
             + self.counters.pending_slot_bytes.load(Relaxed)
             + self.movable.held_bytes();
-        let cached = reserved.saturating_sub(active + pending + overhead);
-        let c = &self.counters;
-        c.sample_peaks();
-        c.peak_reserved.fetch_max(reserved, Relaxed);
-        c.peak_cached.fetch_max(cached, Relaxed);
-        c.peak_pending.fetch_max(pending, Relaxed);
-        let stat = |current, peak: &std::sync::atomic::AtomicU64| Stat {
-            current,
-            peak: peak.load(Relaxed).max(current),
+        let cached = reserved.saturating_sub(allocated + pending + overhead);
+        let figures = stats::Figures {
+            device: self.dev,
+            requested,
+            allocated,
+            reserved,
+            pending,
+            cached,
+            overhead,
+            inactive_split: cached.saturating_sub(releasable),
         };
         PoolStats {
-            device: self.dev,
-            allocated_bytes: stat(allocated, &c.peak_allocated),
-            reserved_bytes: stat(reserved, &c.peak_reserved),
-            active_bytes: stat(active, &c.peak_active),
-            cached_bytes: stat(cached, &c.peak_cached),
-            pending_bytes: stat(pending, &c.peak_pending),
-            overhead_bytes: overhead,
-            inactive_split_bytes: active.saturating_sub(allocated),
             num_allocs: allocs,
             num_frees: frees,
             num_device_allocs: device_allocs,
             num_device_frees: device_frees,
-            num_allocs_grown: c.grown.load(Relaxed),
-            num_alloc_retries: c.retries.load(Relaxed),
-            num_ooms: c.ooms.load(Relaxed),
             heap_lock_acquisitions: self.heap.acquisitions(),
-            num_oom_waits: c.oom_waits.load(Relaxed),
-            oom_host_syncs: c.oom_host_syncs.load(Relaxed),
-            num_pending_frees: c.pending_frees.load(Relaxed),
-            num_handovers: c.handovers.load(Relaxed),
             host_syncs: self.backend.counters().host_syncs_of(self.dev),
-            fragmentation: if reserved == 0 {
-                0.0
-            } else {
-                (reserved - allocated.min(reserved)) as f64 / reserved as f64
-            },
+            ..self.counters.derive(&figures)
         }
     }
 }

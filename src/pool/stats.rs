@@ -21,17 +21,28 @@ pub struct Stat {
     pub peak: u64,
 }
 
-/// A snapshot of one pool's statistics.
+/// A snapshot of one pool's statistics. The byte figures mean what
+/// PyTorch's `torch.cuda.memory_stats()` means by the same names:
+/// `requested_bytes` (sizes asked for) <= `allocated_bytes` (their rounded
+/// sizes) <= `active_bytes` (plus freed blocks not yet reusable) <=
+/// `reserved_bytes` (device memory held); and
+/// `reserved = allocated + pending + cached + overhead`, exactly.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct PoolStats {
     /// Device index.
     pub device: usize,
-    /// Requested bytes of live blocks.
+    /// Sizes asked for by the live blocks (PyTorch's `requested_bytes`).
+    pub requested_bytes: Stat,
+    /// Rounded sizes of the live blocks (slot or range sizes; PyTorch's
+    /// `allocated_bytes`).
     pub allocated_bytes: Stat,
-    /// Device memory held by the pool (physical chunks plus plain segments).
-    pub reserved_bytes: Stat,
-    /// Bytes of live blocks after rounding (slot or range sizes).
+    /// Live blocks plus blocks freed but not yet reusable because their
+    /// last use on some stream may still run: `allocated + pending`
+    /// (PyTorch's `active_bytes`).
     pub active_bytes: Stat,
+    /// Device memory held by the pool (physical chunks plus plain segments;
+    /// PyTorch's `reserved_bytes`).
+    pub reserved_bytes: Stat,
     /// Reserved bytes free for reuse now (free slots, free mapped ranges,
     /// spare chunks).
     pub cached_bytes: Stat,
@@ -39,9 +50,12 @@ pub struct PoolStats {
     pub pending_bytes: Stat,
     /// Reserved bytes no block can use (slab tails).
     pub overhead_bytes: u64,
-    /// Rounded bytes of free slots and ranges not usable now:
-    /// `active - allocated` (internal fragmentation).
-    pub inactive_split_bytes: u64,
+    /// Free memory that cannot go back to the device without moving live
+    /// blocks (PyTorch's `inactive_split_bytes`, "inactive, non-releasable"):
+    /// free slots and free mapped ranges that share a slab or a granule
+    /// with live or pending memory, i.e. the cached bytes that
+    /// [`DevicePool::trim`](crate::DevicePool::trim) keeps.
+    pub inactive_split_bytes: Stat,
     /// Allocations served.
     pub num_allocs: u64,
     /// Frees taken.
@@ -73,7 +87,7 @@ pub struct PoolStats {
     pub num_handovers: u64,
     /// Host-blocking syncs made on this device so far (by anyone).
     pub host_syncs: u64,
-    /// `(reserved - allocated) / reserved`, 0 when nothing is reserved.
+    /// `(reserved - requested) / reserved`, 0 when nothing is reserved.
     pub fragmentation: f64,
 }
 
@@ -125,13 +139,15 @@ fn bump(c: &AtomicI64, delta: i64, exclusive: bool) -> i64 {
 /// One shard of hot counters.
 #[derive(Debug, Default)]
 pub(crate) struct Shard {
+    /// Requested bytes of live blocks.
+    pub requested: AtomicI64,
+    /// Rounded bytes of live blocks.
     pub allocated: AtomicI64,
-    pub active: AtomicI64,
     pub allocs: AtomicI64,
     pub frees: AtomicI64,
     /// Bytes of slots held in this thread's magazines.
     pub magazine: AtomicI64,
-    /// This shard's own high-water mark of `active`.
+    /// This shard's own high-water mark of `allocated`.
     high: AtomicI64,
 }
 
@@ -139,8 +155,10 @@ pub(crate) struct Shard {
 #[derive(Debug)]
 pub(crate) struct Counters {
     shards: Box<[CachePadded<Shard>]>,
+    pub peak_requested: AtomicU64,
     pub peak_allocated: AtomicU64,
     pub peak_active: AtomicU64,
+    pub peak_inactive_split: AtomicU64,
     pub peak_reserved: AtomicU64,
     pub peak_cached: AtomicU64,
     pub peak_pending: AtomicU64,
@@ -153,8 +171,9 @@ pub(crate) struct Counters {
     pub grown: AtomicU64,
     /// Bytes of small slots on the pending list.
     pub pending_slot_bytes: AtomicU64,
-    /// Peak of `active` since the last [`Counters::start_window`] (the idle
-    /// release policy's measure of what the last busy period needed).
+    /// Peak of rounded live bytes (`allocated`) since the last
+    /// [`Counters::start_window`] (the idle release policy's measure of
+    /// what the last busy period needed).
     pub window_peak_active: AtomicU64,
 }
 
@@ -164,8 +183,10 @@ impl Counters {
             shards: (0..SHARDS)
                 .map(|_| CachePadded::new(Shard::default()))
                 .collect(),
+            peak_requested: AtomicU64::new(0),
             peak_allocated: AtomicU64::new(0),
             peak_active: AtomicU64::new(0),
+            peak_inactive_split: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),
             peak_cached: AtomicU64::new(0),
             peak_pending: AtomicU64::new(0),
@@ -187,8 +208,8 @@ impl Counters {
         let (i, own) = my_shard();
         let s = &self.shards[i];
         bump(&s.allocs, 1, own);
-        bump(&s.allocated, requested as i64, own);
-        let now = bump(&s.active, rounded as i64, own);
+        bump(&s.requested, requested as i64, own);
+        let now = bump(&s.allocated, rounded as i64, own);
         if now > s.high.load(Relaxed) {
             s.high.fetch_max(now, Relaxed);
             self.sample_peaks();
@@ -201,8 +222,8 @@ impl Counters {
         let (i, own) = my_shard();
         let s = &self.shards[i];
         bump(&s.frees, 1, own);
-        bump(&s.allocated, -(requested as i64), own);
-        bump(&s.active, -(rounded as i64), own);
+        bump(&s.requested, -(requested as i64), own);
+        bump(&s.allocated, -(rounded as i64), own);
     }
 
     /// Counts bytes entering (+) or leaving (-) this thread's magazines.
@@ -221,12 +242,13 @@ impl Counters {
             .max(0) as u64
     }
 
-    /// Sums of (allocated, active, allocs, frees) over shards.
+    /// Sums of (requested, allocated, allocs, frees) over shards: the
+    /// requested and the rounded bytes of live blocks, and the counts.
     pub(crate) fn totals(&self) -> (u64, u64, u64, u64) {
         let (mut al, mut ac, mut n, mut f) = (0i64, 0i64, 0i64, 0i64);
         for s in self.shards.iter() {
-            al += s.allocated.load(Relaxed);
-            ac += s.active.load(Relaxed);
+            al += s.requested.load(Relaxed);
+            ac += s.allocated.load(Relaxed);
             n += s.allocs.load(Relaxed);
             f += s.frees.load(Relaxed);
         }
@@ -240,37 +262,173 @@ impl Counters {
 
     /// Folds the current totals into the peaks.
     pub(crate) fn sample_peaks(&self) {
-        let (al, ac, _, _) = self.totals();
+        let (rq, al, _, _) = self.totals();
+        self.peak_requested.fetch_max(rq, Relaxed);
         self.peak_allocated.fetch_max(al, Relaxed);
-        self.peak_active.fetch_max(ac, Relaxed);
-        self.window_peak_active.fetch_max(ac, Relaxed);
+        self.window_peak_active.fetch_max(al, Relaxed);
     }
 
     /// Starts a new peak window: the window peak becomes the current
-    /// `active` total, and every shard's high-water mark drops to its
+    /// `allocated` total, and every shard's high-water mark drops to its
     /// current value so that the window's new highs are sampled again. The
     /// all-time peaks are untouched. Called by the maintenance thread when
     /// the pool goes idle, never on the fast path; a race with a shard's
     /// owner only makes one sample early or late.
     pub(crate) fn start_window(&self) -> u64 {
         for s in self.shards.iter() {
-            s.high.store(s.active.load(Relaxed), Relaxed);
+            s.high.store(s.allocated.load(Relaxed), Relaxed);
         }
         let (_, ac, _, _) = self.totals();
         self.window_peak_active.store(ac, Relaxed);
         ac
     }
 
-    /// Resets every peak to the current value.
-    pub(crate) fn reset_peaks(&self, reserved: u64, cached: u64, pending: u64) {
-        let (al, ac, _, _) = self.totals();
+    /// Resets every peak to the current value (PyTorch's
+    /// `reset_peak_memory_stats`): the byte figures the caller read under
+    /// the same snapshot, and the live totals read here.
+    pub(crate) fn reset_peaks(&self, now: &PeakReset) {
+        let (rq, al, _, _) = self.totals();
+        self.peak_requested.store(rq, Relaxed);
         self.peak_allocated.store(al, Relaxed);
-        self.peak_active.store(ac, Relaxed);
-        self.peak_reserved.store(reserved, Relaxed);
-        self.peak_cached.store(cached, Relaxed);
-        self.peak_pending.store(pending, Relaxed);
+        self.peak_active.store(now.active, Relaxed);
+        self.peak_inactive_split.store(now.inactive_split, Relaxed);
+        self.peak_reserved.store(now.reserved, Relaxed);
+        self.peak_cached.store(now.cached, Relaxed);
+        self.peak_pending.store(now.pending, Relaxed);
         for s in self.shards.iter() {
-            s.high.store(s.active.load(Relaxed), Relaxed);
+            s.high.store(s.allocated.load(Relaxed), Relaxed);
         }
+    }
+}
+
+/// The current byte figures [`Counters::reset_peaks`] starts the peaks from.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct PeakReset {
+    pub active: u64,
+    pub inactive_split: u64,
+    pub reserved: u64,
+    pub cached: u64,
+    pub pending: u64,
+}
+
+impl PeakReset {
+    /// The current figures of `s`.
+    pub(crate) fn of(s: &PoolStats) -> PeakReset {
+        PeakReset {
+            active: s.active_bytes.current,
+            inactive_split: s.inactive_split_bytes.current,
+            reserved: s.reserved_bytes.current,
+            cached: s.cached_bytes.current,
+            pending: s.pending_bytes.current,
+        }
+    }
+}
+
+/// The byte figures of one pool read now, from which [`Counters::derive`]
+/// makes a [`PoolStats`].
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Figures {
+    pub device: usize,
+    /// Requested bytes of live blocks.
+    pub requested: u64,
+    /// Rounded bytes of live blocks.
+    pub allocated: u64,
+    pub reserved: u64,
+    pub pending: u64,
+    pub cached: u64,
+    pub overhead: u64,
+    /// Cached bytes that cannot be given back without moving live blocks.
+    pub inactive_split: u64,
+}
+
+impl Counters {
+    /// Folds `f` into the peaks and makes the statistics: every byte
+    /// figure with its peak, and the counters this struct keeps (the
+    /// caller fills in the counts kept elsewhere).
+    pub(crate) fn derive(&self, f: &Figures) -> PoolStats {
+        self.sample_peaks();
+        let active = f.allocated + f.pending;
+        self.peak_active.fetch_max(active, Relaxed);
+        self.peak_inactive_split
+            .fetch_max(f.inactive_split, Relaxed);
+        self.peak_reserved.fetch_max(f.reserved, Relaxed);
+        self.peak_cached.fetch_max(f.cached, Relaxed);
+        self.peak_pending.fetch_max(f.pending, Relaxed);
+        let stat = |current, peak: &AtomicU64| Stat {
+            current,
+            peak: peak.load(Relaxed).max(current),
+        };
+        PoolStats {
+            device: f.device,
+            requested_bytes: stat(f.requested, &self.peak_requested),
+            allocated_bytes: stat(f.allocated, &self.peak_allocated),
+            active_bytes: stat(active, &self.peak_active),
+            reserved_bytes: stat(f.reserved, &self.peak_reserved),
+            cached_bytes: stat(f.cached, &self.peak_cached),
+            pending_bytes: stat(f.pending, &self.peak_pending),
+            overhead_bytes: f.overhead,
+            inactive_split_bytes: stat(f.inactive_split, &self.peak_inactive_split),
+            num_allocs_grown: self.grown.load(Relaxed),
+            num_alloc_retries: self.retries.load(Relaxed),
+            num_ooms: self.ooms.load(Relaxed),
+            num_oom_waits: self.oom_waits.load(Relaxed),
+            oom_host_syncs: self.oom_host_syncs.load(Relaxed),
+            num_pending_frees: self.pending_frees.load(Relaxed),
+            num_handovers: self.handovers.load(Relaxed),
+            fragmentation: if f.reserved == 0 {
+                0.0
+            } else {
+                (f.reserved - f.requested.min(f.reserved)) as f64 / f.reserved as f64
+            },
+            ..PoolStats::default()
+        }
+    }
+}
+
+impl PoolStats {
+    /// The statistics as `torch.cuda.memory_stats()` gives them: flat keys
+    /// such as `allocated_bytes.all.current`, sorted, with PyTorch's
+    /// meanings. The byte figures are `requested_bytes`, `allocated_bytes`,
+    /// `active_bytes`, `reserved_bytes` and `inactive_split_bytes` (each
+    /// `.all.current` and `.all.peak`); the counts are
+    /// `allocation.all.{current,allocated,freed}`, `num_alloc_retries`,
+    /// `num_ooms`, `num_device_alloc` and `num_device_free`. gpupool's own
+    /// figures follow under the same scheme (`cached_bytes.all.*`,
+    /// `pending_bytes.all.*`, `overhead_bytes.all.current`,
+    /// `num_oom_waits`, `num_pending_frees`, `num_handovers`,
+    /// `host_syncs`). PyTorch's `large_pool`/`small_pool` splits and the
+    /// cumulative `.allocated`/`.freed` byte counts are not kept.
+    pub fn memory_stats(&self) -> std::collections::BTreeMap<String, u64> {
+        let mut m = std::collections::BTreeMap::new();
+        for (name, s) in [
+            ("requested_bytes", self.requested_bytes),
+            ("allocated_bytes", self.allocated_bytes),
+            ("active_bytes", self.active_bytes),
+            ("reserved_bytes", self.reserved_bytes),
+            ("inactive_split_bytes", self.inactive_split_bytes),
+            ("cached_bytes", self.cached_bytes),
+            ("pending_bytes", self.pending_bytes),
+        ] {
+            m.insert(format!("{name}.all.current"), s.current);
+            m.insert(format!("{name}.all.peak"), s.peak);
+        }
+        m.insert("overhead_bytes.all.current".into(), self.overhead_bytes);
+        let live = self.num_allocs.saturating_sub(self.num_frees);
+        m.insert("allocation.all.current".into(), live);
+        m.insert("allocation.all.allocated".into(), self.num_allocs);
+        m.insert("allocation.all.freed".into(), self.num_frees);
+        for (k, v) in [
+            ("num_alloc_retries", self.num_alloc_retries),
+            ("num_ooms", self.num_ooms),
+            ("num_device_alloc", self.num_device_allocs),
+            ("num_device_free", self.num_device_frees),
+            ("num_oom_waits", self.num_oom_waits),
+            ("num_pending_frees", self.num_pending_frees),
+            ("num_handovers", self.num_handovers),
+            ("host_syncs", self.host_syncs),
+        ] {
+            m.insert(k.into(), v);
+        }
+        m
     }
 }

@@ -273,7 +273,7 @@ fn watch(
             dev.maintain();
             let st = dev.stats();
             m.reserved_bytes += st.reserved_bytes.current;
-            m.live_bytes += st.allocated_bytes.current;
+            m.live_bytes += st.requested_bytes.current;
             m.cached_bytes += st.cached_bytes.current;
             m.pending_bytes += st.pending_bytes.current;
         }
@@ -385,7 +385,7 @@ fn build_report(
         let st = dev.stats();
         let mut dr = DeviceStress {
             device: d,
-            peak_live_bytes: st.allocated_bytes.peak,
+            peak_live_bytes: st.requested_bytes.peak,
             peak_reserved_bytes: st.reserved_bytes.peak,
             integrity_errors: sim.integrity_errors(d),
             device_faults: sim.device_faults(d),
@@ -417,7 +417,7 @@ fn build_report(
         dr.ops_per_sec = dr.ops as f64 / counts.seconds.max(1e-9);
         dr.heap_locks_per_op = st.heap_lock_acquisitions as f64 / dr.ops.max(1) as f64;
         // Every block is freed by now: what is still live leaked.
-        dr.leaked_bytes = st.allocated_bytes.current;
+        dr.leaked_bytes = st.requested_bytes.current;
         r.per_device.push(dr);
     }
     rt.trim()?;

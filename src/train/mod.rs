@@ -226,7 +226,7 @@ impl<'a> Device<'a> {
         let s = self.pool.stats();
         self.report.samples.push(Sample {
             t_ms: self.t0.elapsed().as_secs_f64() * 1e3,
-            live_bytes: s.allocated_bytes.current,
+            live_bytes: s.requested_bytes.current,
             reserved_bytes: s.reserved_bytes.current,
         });
     }
@@ -453,7 +453,7 @@ pub fn run_with(
         .iter()
         .map(|p| {
             let st = p.stats();
-            (st.allocated_bytes.current, st.reserved_bytes.current)
+            (st.requested_bytes.current, st.reserved_bytes.current)
         })
         .collect();
     let streams: Vec<Vec<Stream>> = rt
@@ -580,7 +580,7 @@ pub fn run_with(
         let st = p.stats();
         r.reserved_before_run = reserved0;
         r.reserved_after_run = st.reserved_bytes.current;
-        r.leaked_bytes = st.allocated_bytes.current.saturating_sub(live0);
+        r.leaked_bytes = st.requested_bytes.current.saturating_sub(live0);
         r.audit = p.audit().err();
     }
     drop(streams);

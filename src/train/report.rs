@@ -126,9 +126,9 @@ impl DeviceReport {
         let busy: f64 = self.step_seconds.iter().sum();
         self.steps = o.batches.len();
         self.steps_per_sec = self.steps as f64 / busy.max(1e-9);
-        self.peak_live_bytes = st.allocated_bytes.peak;
+        self.peak_live_bytes = st.requested_bytes.peak;
         self.peak_reserved_bytes = st.reserved_bytes.peak;
-        self.overhead = st.reserved_bytes.peak as f64 / st.allocated_bytes.peak.max(1) as f64 - 1.0;
+        self.overhead = st.reserved_bytes.peak as f64 / st.requested_bytes.peak.max(1) as f64 - 1.0;
         self.allocs = st.num_allocs;
         self.allocs_from_cache = st.num_allocs.saturating_sub(st.num_allocs_grown);
         self.pending_frees = st.num_pending_frees;

@@ -1,6 +1,7 @@
 /*
  * Exercises every function of include/gpupool.h against the simulator:
- * lifecycle, allocation, streams, stats, snapshots, the PyTorch hooks, every
+ * lifecycle, allocation, streams, stats (nested and PyTorch's flat layout),
+ * snapshots, memory limits, the out-of-memory callback, the PyTorch hooks, every
  * bad-input case (status, message, and unchanged stats), 8 threads
  * allocating and freeing concurrently, and calls after shutdown.
  *
@@ -98,6 +99,28 @@ static unsigned long long stat_now(int dev, const char *key, int current) {
     return field(buf, key, current);
 }
 
+/* ---- the out-of-memory callback ------------------------------------------------- */
+
+static int oom_calls, oom_dev = -1;
+static size_t oom_req;
+static void *oom_user;
+
+static void on_oom(int device, size_t requested, void *user_data) {
+    oom_calls++;
+    oom_dev = device;
+    oom_req = requested;
+    oom_user = user_data;
+    /* Statistics may be read from inside the callback. */
+    char b[8192];
+    if (gpupool_memory_stats_json(device, b, sizeof b) != GPUPOOL_STATUS_OK) oom_calls += 1000;
+}
+
+static unsigned long long flat_now(int dev, const char *key) {
+    char buf[8192];
+    if (gpupool_memory_stats_json(dev, buf, sizeof buf) != GPUPOOL_STATUS_OK) return (unsigned long long)-1;
+    return field(buf, key, 0);
+}
+
 /* ---- threads --------------------------------------------------------------------- */
 
 #define THREADS 8
@@ -191,6 +214,16 @@ int main(int argc, char **argv) {
     CHECK(gpupool_version()[0] != '\0', "version \"%s\"", gpupool_version());
     CHECK(strcmp(gpupool_status_name(GPUPOOL_STATUS_DOUBLE_FREE), "GPUPOOL_STATUS_DOUBLE_FREE") == 0, "status name");
     CHECK(strcmp(gpupool_status_name(12345), "GPUPOOL_STATUS_UNKNOWN") == 0, "unknown status name");
+    CHECK(gpupool_abi_version() == GPUPOOL_ABI_VERSION && GPUPOOL_ABI_VERSION >= 1,
+          "abi version %d, header %d", gpupool_abi_version(), GPUPOOL_ABI_VERSION);
+    EXPECT(gpupool_memory_stats_json(0, buf, sizeof buf), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
+    EXPECT(gpupool_reset_peak_stats(0), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
+    EXPECT(gpupool_set_memory_limit(0, MIB), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
+    /* The callback may be set before init; it stays across restarts. */
+    EXPECT(gpupool_set_oom_callback(NULL, NULL), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_init("backend=sim,fraction=1.5"), GPUPOOL_STATUS_CONFIG, "fraction");
+    EXPECT(gpupool_init("backend=sim,max_bytes=lots"), GPUPOOL_STATUS_CONFIG, "max_bytes");
+    EXPECT(gpupool_init("backend=sim,initial_bytes=-1"), GPUPOOL_STATUS_CONFIG, "initial_bytes");
     EXPECT(gpupool_alloc(64, 0, NULL, &p), GPUPOOL_STATUS_NOT_INITIALIZED, "gpupool_init first");
     CHECK(p == NULL, "out not cleared");
     EXPECT(gpupool_free(&dummy, 0, NULL), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
@@ -231,8 +264,23 @@ int main(int argc, char **argv) {
         const unsigned char *b = ptrs[i];
         CHECK(b && b[0] == 0x40 + i && b[sizes[i] - 1] == 0x40 + i, "block %d overwritten", i);
     }
-    CHECK(stat_now(0, "allocated_bytes", 1) == 1 + 300 + 4096 + 70000 + 3 * MIB + 9 * MIB + 17,
-          "allocated_bytes %llu", stat_now(0, "allocated_bytes", 1));
+    CHECK(stat_now(0, "requested_bytes", 1) == 1 + 300 + 4096 + 70000 + 3 * MIB + 9 * MIB + 17,
+          "requested_bytes %llu", stat_now(0, "requested_bytes", 1));
+    /* PyTorch's meanings: requested <= allocated (rounded) <= active <= reserved. */
+    {
+        unsigned long long rq = flat_now(0, "requested_bytes.all.current"),
+                           al = flat_now(0, "allocated_bytes.all.current"),
+                           ac = flat_now(0, "active_bytes.all.current"),
+                           rs = flat_now(0, "reserved_bytes.all.current");
+        CHECK(rq == stat_now(0, "requested_bytes", 1) && al == stat_now(0, "allocated_bytes", 1),
+              "flat and nested stats agree: %llu %llu", rq, al);
+        CHECK(rq < al && al <= ac && ac <= rs, "requested %llu allocated %llu active %llu reserved %llu",
+              rq, al, ac, rs);
+        CHECK(flat_now(0, "allocation.all.current") == 6, "allocation.all.current %llu",
+              flat_now(0, "allocation.all.current"));
+        CHECK(flat_now(0, "num_ooms") == 0 && flat_now(0, "num_alloc_retries") != (unsigned long long)-1,
+              "flat counters");
+    }
     CHECK(stat_now(0, "num_allocs", 0) == 6, "num_allocs %llu", stat_now(0, "num_allocs", 0));
     CHECK(stat_now(0, "device", 0) == 0 && stat_now(1, "device", 0) == 1, "device field");
 
@@ -254,6 +302,22 @@ int main(int argc, char **argv) {
     BAD(gpupool_stats_json(0, NULL, 100), GPUPOOL_STATUS_NULL_ARGUMENT, "`buf` is NULL");
     BAD(gpupool_stats_json(2, buf, sizeof buf), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 2");
     BAD(gpupool_stats_json(-1, buf, sizeof buf), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device -1");
+
+    /* ---- flat (PyTorch) stats: same protocol ---------------------------------- */
+    EXPECT(gpupool_memory_stats_json(0, buf, sizeof buf), GPUPOOL_STATUS_OK, "");
+    CHECK(buf[0] == '{' && strstr(buf, "\"allocated_bytes.all.peak\":") &&
+              strstr(buf, "\"inactive_split_bytes.all.current\":"),
+          "memory stats json %s", buf);
+    CHECK(gpupool_needed_len() == strlen(buf) + 1, "needed_len after memory_stats_json");
+    EXPECT(gpupool_memory_stats_json(0, NULL, 0), GPUPOOL_STATUS_BUFFER_TOO_SMALL, "size query");
+    BAD(gpupool_memory_stats_json(0, small, sizeof small), GPUPOOL_STATUS_BUFFER_TOO_SMALL, "bytes needed");
+    BAD(gpupool_memory_stats_json(0, NULL, 100), GPUPOOL_STATUS_NULL_ARGUMENT, "`buf` is NULL");
+    BAD(gpupool_memory_stats_json(2, buf, sizeof buf), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 2");
+    BAD(gpupool_memory_stats_json(-1, buf, sizeof buf), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device -1");
+    BAD(gpupool_reset_peak_stats(2), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 2");
+    BAD(gpupool_reset_peak_stats(-2), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device -2");
+    BAD(gpupool_set_memory_limit(2, MIB), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 2");
+    BAD(gpupool_set_memory_limit(-2, MIB), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device -2");
 
     /* ---- bad inputs: each returns its status and message, changes nothing ---------- */
     BAD(gpupool_alloc(64, 0, NULL, NULL), GPUPOOL_STATUS_NULL_ARGUMENT, "`out` is NULL");
@@ -330,6 +394,48 @@ int main(int argc, char **argv) {
     EXPECT(gpupool_alloc(200 * MIB, 1, s1, &q), GPUPOOL_STATUS_OK, "");
     EXPECT(gpupool_free(q, 1, s1), GPUPOOL_STATUS_OK, "");
 
+    /* ---- peaks ---------------------------------------------------------------------- */
+    CHECK(flat_now(1, "reserved_bytes.all.peak") >= 200 * MIB, "reserved peak %llu",
+          flat_now(1, "reserved_bytes.all.peak"));
+    EXPECT(gpupool_trim(), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_reset_peak_stats(1), GPUPOOL_STATUS_OK, "");
+    CHECK(flat_now(1, "reserved_bytes.all.peak") == flat_now(1, "reserved_bytes.all.current") &&
+              flat_now(1, "requested_bytes.all.peak") == 0 && flat_now(1, "allocated_bytes.all.peak") == 0,
+          "peaks after reset: reserved %llu (current %llu), requested %llu",
+          flat_now(1, "reserved_bytes.all.peak"), flat_now(1, "reserved_bytes.all.current"),
+          flat_now(1, "requested_bytes.all.peak"));
+    EXPECT(gpupool_reset_peak_stats(-1), GPUPOOL_STATUS_OK, "");
+
+    /* ---- a memory limit and the out-of-memory callback ---------------------------- */
+    EXPECT(gpupool_set_oom_callback(on_oom, &oom_calls), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_alloc(100 * MIB, 1, s1, &p), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_free(p, 1, s1), GPUPOOL_STATUS_OK, "");
+    CHECK(stat_now(1, "reserved_bytes", 1) >= 100 * MIB, "cached before the limit");
+    /* Lowering the limit below what is held gives cached memory back. */
+    EXPECT(gpupool_set_memory_limit(1, 64 * MIB), GPUPOOL_STATUS_OK, "");
+    CHECK(stat_now(1, "reserved_bytes", 1) <= 64 * MIB, "reserved %llu after the limit",
+          stat_now(1, "reserved_bytes", 1));
+    EXPECT(gpupool_alloc(40 * MIB, 1, s1, &p), GPUPOOL_STATUS_OK, "");
+    snap_before();
+    EXPECT(gpupool_alloc(40 * MIB, 1, s1, &q), GPUPOOL_STATUS_OUT_OF_MEMORY, "requested");
+    CHECK(q == NULL, "out after a refused alloc");
+    CHECK(oom_calls == 1 && oom_dev == 1 && oom_req == 40 * MIB && oom_user == &oom_calls,
+          "callback: %d calls, device %d, %zu bytes", oom_calls, oom_dev, oom_req);
+    CHECK(stat_now(1, "reserved_bytes", 1) <= 64 * MIB, "reserved %llu over the limit",
+          stat_now(1, "reserved_bytes", 1));
+    CHECK(stat_now(1, "num_ooms", 0) == 2, "num_ooms %llu", stat_now(1, "num_ooms", 0));
+    /* No limit again: the same request fits. */
+    EXPECT(gpupool_set_memory_limit(1, 0), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_alloc(40 * MIB, 1, s1, &q), GPUPOOL_STATUS_OK, "");
+    CHECK(oom_calls == 1, "callback calls %d", oom_calls);
+    EXPECT(gpupool_free(q, 1, s1), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_free(p, 1, s1), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_set_oom_callback(NULL, NULL), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_set_memory_limit(-1, 16 * MIB), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_alloc(40 * MIB, 1, s1, &q), GPUPOOL_STATUS_OUT_OF_MEMORY, "requested");
+    CHECK(oom_calls == 1, "callback cleared, calls %d", oom_calls);
+    EXPECT(gpupool_set_memory_limit(-1, 0), GPUPOOL_STATUS_OK, "");
+
     /* ---- history and snapshots ------------------------------------------------ */
     EXPECT(gpupool_record_history(-1, 1), GPUPOOL_STATUS_OK, "");
     EXPECT(gpupool_alloc(5000, 0, s0, &p), GPUPOOL_STATUS_OK, "");
@@ -383,7 +489,8 @@ int main(int argc, char **argv) {
         if (i == 1 || i == 4) continue;
         EXPECT(gpupool_free(ptrs[i], 0, i % 2 ? s0 : NULL), GPUPOOL_STATUS_OK, "");
     }
-    CHECK(stat_now(0, "allocated_bytes", 1) == 0, "live bytes left %llu", stat_now(0, "allocated_bytes", 1));
+    CHECK(stat_now(0, "requested_bytes", 1) == 0 && stat_now(0, "allocated_bytes", 1) == 0,
+          "live bytes left %llu", stat_now(0, "requested_bytes", 1));
     EXPECT(gpupool_trim(), GPUPOOL_STATUS_OK, "");
     CHECK(stat_now(0, "reserved_bytes", 1) == 0 && stat_now(1, "reserved_bytes", 1) == 0,
           "reserved after trim: %llu %llu", stat_now(0, "reserved_bytes", 1), stat_now(1, "reserved_bytes", 1));
@@ -409,8 +516,8 @@ int main(int argc, char **argv) {
     double dt = now_s() - t0;
     CHECK(errors == 0, "%d errors in the threads", errors);
     CHECK(ops == (long)THREADS * OPS, "ops %ld", ops);
-    CHECK(stat_now(0, "allocated_bytes", 1) == 0 && stat_now(1, "allocated_bytes", 1) == 0,
-          "live bytes after threads: %llu %llu", stat_now(0, "allocated_bytes", 1), stat_now(1, "allocated_bytes", 1));
+    CHECK(stat_now(0, "requested_bytes", 1) == 0 && stat_now(1, "requested_bytes", 1) == 0,
+          "live bytes after threads: %llu %llu", stat_now(0, "requested_bytes", 1), stat_now(1, "requested_bytes", 1));
     printf("threads: %d threads, %ld ops (alloc or free), %d errors, %.3f s\n", THREADS, ops, errors, dt);
 
     /* ---- shutdown and after --------------------------------------------------------- */
@@ -429,17 +536,30 @@ int main(int argc, char **argv) {
     EXPECT(gpupool_record_history(0, 1), GPUPOOL_STATUS_SHUTDOWN, "shut down");
     EXPECT(gpupool_trim(), GPUPOOL_STATUS_SHUTDOWN, "shut down");
     EXPECT(gpupool_device_count(&n), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_memory_stats_json(0, buf, sizeof buf), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_reset_peak_stats(0), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_set_memory_limit(0, MIB), GPUPOOL_STATUS_SHUTDOWN, "shut down");
     q = gpupool_torch_malloc(64, 0, NULL);
     CHECK(q == NULL && strstr(gpupool_last_error(), "shut down"), "torch_malloc after shutdown");
     gpupool_torch_free(p, 4096, 0, NULL);
     CHECK(strstr(gpupool_last_error(), "shut down") != NULL, "torch_free after shutdown");
 
     /* ---- a second life, configured from GPUPOOL_CONF ------------------------------------ */
-    setenv("GPUPOOL_CONF", "backend=sim,devices=1,capacity=64MiB", 1);
+    /* With a limit and memory reserved up front from the configuration. */
+    setenv("GPUPOOL_CONF", "backend=sim,devices=1,capacity=64MiB,max_bytes=16MiB,initial_bytes=6MiB,maint_ms=0", 1);
     EXPECT(gpupool_init(NULL), GPUPOOL_STATUS_OK, "");
     EXPECT(gpupool_device_count(&n), GPUPOOL_STATUS_OK, "");
     CHECK(n == 1, "device count from GPUPOOL_CONF: %d", n);
     EXPECT(gpupool_alloc(64, 0, NULL, &p), GPUPOOL_STATUS_OK, "");
+    CHECK(stat_now(0, "reserved_bytes", 1) >= 6 * MIB, "initial_bytes: reserved %llu",
+          stat_now(0, "reserved_bytes", 1));
+    CHECK(stat_now(0, "num_device_allocs", 0) == 3, "initial_bytes served the first alloc: %llu chunks",
+          stat_now(0, "num_device_allocs", 0));
+    EXPECT(gpupool_free(p, 0, NULL), GPUPOOL_STATUS_OK, "");
+    EXPECT(gpupool_alloc(20 * MIB, 0, NULL, &p), GPUPOOL_STATUS_OUT_OF_MEMORY, "requested");
+    EXPECT(gpupool_alloc(10 * MIB, 0, NULL, &p), GPUPOOL_STATUS_OK, "");
+    CHECK(stat_now(0, "reserved_bytes", 1) <= 16 * MIB, "max_bytes: reserved %llu",
+          stat_now(0, "reserved_bytes", 1));
     EXPECT(gpupool_free(p, 0, NULL), GPUPOOL_STATUS_OK, "");
     EXPECT(gpupool_alloc(64, 1, NULL, &p), GPUPOOL_STATUS_INVALID_DEVICE, "1 device(s) present");
     EXPECT(gpupool_shutdown(), GPUPOOL_STATUS_OK, "");

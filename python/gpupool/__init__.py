@@ -1,0 +1,370 @@
+"""gpupool: a lock-free, multi-GPU device-memory allocator, from Python.
+
+A thin ctypes layer over the C ABI of the ``libgpupool.so`` bundled in this
+package. One process-wide runtime::
+
+    import gpupool
+    gpupool.init("backend=sim,devices=2,capacity=1GiB")   # or "" / "backend=cuda"
+    p = gpupool.alloc(1 << 20, device=0)                  # an int device address
+    gpupool.free(p, device=0)
+    gpupool.memory_stats(0)["allocated_bytes.all.peak"]   # torch.cuda.memory_stats() keys
+    gpupool.set_memory_limit(8 << 30, device=0)
+    gpupool.shutdown()
+
+Streams are integers: the backend's stream handle (a ``cudaStream_t`` such
+as ``torch.cuda.current_stream().cuda_stream`` on CUDA, a handle from
+:func:`stream_create` on the simulator); ``0`` is the device's default
+stream. Errors raise :class:`OutOfMemoryError` (a :class:`MemoryError`),
+:class:`ValueError` for bad input (as :class:`InvalidArgumentError`), or
+:class:`Error` for anything else; each carries the C status in ``status``.
+
+Integrations: :mod:`gpupool.torch` (PyTorch's pluggable allocator) and
+:mod:`gpupool.cupy` (CuPy's allocator hook).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import numbers
+import os
+import threading
+from typing import Callable, Optional
+
+from . import _lib
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Error",
+    "OutOfMemoryError",
+    "InvalidArgumentError",
+    "init",
+    "shutdown",
+    "is_initialized",
+    "device_count",
+    "alloc",
+    "free",
+    "record_stream",
+    "stream_create",
+    "stream_destroy",
+    "memory_stats",
+    "stats",
+    "reset_peak_memory_stats",
+    "set_memory_limit",
+    "snapshot",
+    "record_history",
+    "dump_snapshot",
+    "trim",
+    "on_oom",
+    "version",
+    "abi_version",
+    "library_path",
+]
+
+
+class Error(RuntimeError):
+    """A gpupool call failed. ``status`` is the ``GPUPOOL_STATUS_*`` code,
+    ``status_name`` its name, and the message is gpupool's own."""
+
+    def __init__(self, status: int, message: str):
+        self.status = status
+        self.status_name = _status_name(status)
+        super().__init__(f"{message} [{self.status_name}]")
+
+
+class OutOfMemoryError(Error, MemoryError):
+    """The pool could not serve a request even after reclaiming its cache,
+    or a memory limit refused it. The message gives requested, live,
+    reserved, cached, pending and largest-free bytes."""
+
+
+class InvalidArgumentError(Error, ValueError):
+    """Bad input: a size, device, stream or pointer gpupool refuses."""
+
+
+_BAD_INPUT = {
+    _lib.NULL_ARGUMENT,
+    _lib.INVALID_SIZE,
+    _lib.INVALID_DEVICE,
+    _lib.WRONG_DEVICE,
+    _lib.UNKNOWN_POINTER,
+    _lib.DOUBLE_FREE,
+    _lib.INVALID_HANDLE,
+    _lib.INVALID_ARGUMENT,
+    _lib.CONFIG,
+}
+
+
+def _status_name(status: int) -> str:
+    try:
+        return _lib.lib().gpupool_status_name(status).decode()
+    except Exception:  # the library itself failed to load
+        return f"status {status}"
+
+
+def _last_error() -> str:
+    return _lib.lib().gpupool_last_error().decode(errors="replace")
+
+
+def _error(status: int) -> Error:
+    msg = _last_error()
+    if status in (_lib.OUT_OF_MEMORY, _lib.DEVICE_OUT_OF_MEMORY):
+        return OutOfMemoryError(status, msg)
+    if status in _BAD_INPUT:
+        return InvalidArgumentError(status, msg)
+    return Error(status, msg)
+
+
+def _check(status: int) -> None:
+    if status != _lib.OK:
+        raise _error(status)
+
+
+def _int(value, what: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    v = int(value)
+    if not lo <= v <= hi:
+        raise ValueError(f"{what} {v} is out of range [{lo}, {hi}]")
+    return v
+
+
+_INT_MAX = 2**31 - 1
+_U64_MAX = 2**64 - 1
+_PTR_MAX = 2 ** (8 * ctypes.sizeof(ctypes.c_void_p)) - 1
+
+
+def _device(device, allow_all: bool = False) -> int:
+    return _int(device, "device", -1 if allow_all else 0, _INT_MAX)
+
+
+def _stream(stream) -> Optional[int]:
+    return _int(stream, "stream", 0, _PTR_MAX) or None
+
+
+def _ptr(ptr) -> int:
+    p = _int(ptr, "ptr", 0, _PTR_MAX)
+    if p == 0:
+        raise ValueError("ptr is 0 (NULL)")
+    return p
+
+
+# ---- lifecycle -------------------------------------------------------------------
+
+
+def init(conf: Optional[str] = "") -> None:
+    """Starts gpupool. ``conf`` is a ``GPUPOOL_CONF`` string such as
+    ``"backend=sim,devices=2,capacity=1GiB"`` or ``"backend=cuda,max_bytes=40GiB"``;
+    ``""`` or ``None`` reads ``$GPUPOOL_CONF`` (defaults where unset). Already
+    running is not an error (the running configuration stays). Bad keys
+    raise :class:`ValueError` naming the key."""
+    if conf is not None and not isinstance(conf, str):
+        raise TypeError(f"conf must be a str, not {type(conf).__name__}")
+    arg = conf.encode() if conf else None
+    st = _lib.lib().gpupool_init(arg)
+    if st != _lib.ALREADY_INITIALIZED:
+        _check(st)
+
+
+def shutdown() -> None:
+    """Stops gpupool and gives all device memory back; pointers still live
+    become invalid. Not running is not an error. :func:`init` starts it
+    again."""
+    st = _lib.lib().gpupool_shutdown()
+    if st not in (_lib.NOT_INITIALIZED, _lib.SHUTDOWN):
+        _check(st)
+
+
+def is_initialized() -> bool:
+    """Whether a runtime is running."""
+    n = ctypes.c_int()
+    return _lib.lib().gpupool_device_count(ctypes.byref(n)) == _lib.OK
+
+
+def device_count() -> int:
+    """Devices of the running runtime."""
+    n = ctypes.c_int()
+    _check(_lib.lib().gpupool_device_count(ctypes.byref(n)))
+    return n.value
+
+
+# ---- memory ------------------------------------------------------------------------
+
+
+def alloc(size: int, device: int = 0, stream: int = 0) -> int:
+    """Allocates ``size`` bytes on ``device`` for use on ``stream``; returns
+    the device address (aligned to 256 bytes; never moved). Raises
+    :class:`OutOfMemoryError` when even a reclaimed pool cannot serve it or
+    a memory limit refuses it, :class:`ValueError` for a size of 0 or one
+    larger than the device."""
+    n = _int(size, "size", 0, _PTR_MAX)
+    if n == 0:
+        raise ValueError("size must be at least 1 byte")
+    out = ctypes.c_void_p()
+    _check(_lib.lib().gpupool_alloc(n, _device(device), _stream(stream), ctypes.byref(out)))
+    return int(out.value)
+
+
+def free(ptr: int, device: int = 0, stream: int = 0) -> None:
+    """Frees ``ptr`` (from :func:`alloc` on ``device``), ordered after the
+    work enqueued so far on ``stream`` and on the streams recorded with
+    :func:`record_stream`. A pointer of another device, an unknown one or a
+    double free raise :class:`ValueError` and change nothing."""
+    _check(_lib.lib().gpupool_free(_ptr(ptr), _device(device), _stream(stream)))
+
+
+def record_stream(ptr: int, stream: int, device: int = 0) -> None:
+    """Marks ``ptr`` as also used on ``stream`` (PyTorch's ``record_stream``)."""
+    _check(_lib.lib().gpupool_record_stream(_ptr(ptr), _device(device), _stream(stream)))
+
+
+def stream_create(device: int = 0) -> int:
+    """Creates a stream on ``device`` (non-blocking on CUDA); returns its handle."""
+    out = ctypes.c_void_p()
+    _check(_lib.lib().gpupool_stream_create(_device(device), ctypes.byref(out)))
+    return int(out.value)
+
+
+def stream_destroy(stream: int, device: int = 0) -> None:
+    """Destroys a stream made by :func:`stream_create`."""
+    _check(_lib.lib().gpupool_stream_destroy(_device(device), _stream(stream)))
+
+
+def trim() -> None:
+    """Gives cached device memory of every device back (waits for pending
+    frees; PyTorch's ``empty_cache``)."""
+    _check(_lib.lib().gpupool_trim())
+
+
+# ---- statistics -------------------------------------------------------------------
+
+
+def _text(fn, device: int) -> str:
+    size = 1 << 14
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        st = fn(device, buf, size)
+        if st == _lib.OK:
+            return buf.value.decode()
+        if st != _lib.BUFFER_TOO_SMALL:
+            _check(st)
+        size = _lib.lib().gpupool_needed_len() + 4096
+
+
+def memory_stats(device: int = 0) -> dict:
+    """Statistics of ``device`` with ``torch.cuda.memory_stats()``'s flat keys
+    and meanings: ``requested_bytes.all.current`` (sizes asked for),
+    ``allocated_bytes.all.current`` (their rounded sizes),
+    ``active_bytes.all.current`` (plus freed blocks not yet reusable),
+    ``reserved_bytes.all.current`` (device memory held),
+    ``inactive_split_bytes.all.current`` (free memory that cannot go back to
+    the device without moving live blocks), each also ``.all.peak``;
+    ``allocation.all.current``, ``num_alloc_retries``, ``num_ooms``,
+    ``num_device_alloc``, ``num_device_free``; and gpupool's own
+    ``cached_bytes.*``, ``pending_bytes.*``, ``num_oom_waits``, ..."""
+    return json.loads(_text(_lib.lib().gpupool_memory_stats_json, _device(device)))
+
+
+def stats(device: int = 0) -> dict:
+    """gpupool's own statistics of ``device`` (``PoolStats``): byte figures
+    as ``{"current", "peak"}`` under the same names as
+    :func:`memory_stats`, plus counters and ``fragmentation``."""
+    return json.loads(_text(_lib.lib().gpupool_stats_json, _device(device)))
+
+
+def reset_peak_memory_stats(device: int = 0) -> None:
+    """Resets every ``.peak`` of ``device`` (``-1``: every device) to the
+    current value."""
+    _check(_lib.lib().gpupool_reset_peak_stats(_device(device, allow_all=True)))
+
+
+# ---- limits ---------------------------------------------------------------------
+
+
+def set_memory_limit(nbytes: Optional[int], device: int = 0) -> None:
+    """The pool of ``device`` (``-1``: every device) never holds more than
+    ``nbytes`` of device memory from now on (``None`` or ``0``: no limit but
+    the device). Lowering it below what is held gives cached memory back
+    first; live memory stays, and the pool refuses to grow until it is under
+    the limit. Allocations the limit refuses raise :class:`OutOfMemoryError`.
+    The keys ``max_bytes`` and ``fraction`` of the configuration set a limit
+    at start."""
+    n = 0 if nbytes is None else _int(nbytes, "nbytes", 0, _U64_MAX)
+    _check(_lib.lib().gpupool_set_memory_limit(_device(device, allow_all=True), n))
+
+
+_oom_lock = threading.Lock()
+_oom_keep = None  # the ctypes trampoline must outlive its registration
+
+
+def on_oom(callback: Optional[Callable[[int, int], None]]) -> None:
+    """Calls ``callback(device, requested_bytes)`` once for every
+    out-of-memory error, on the allocating thread, just before
+    :class:`OutOfMemoryError` is raised (``None`` removes it). It may read
+    :func:`memory_stats` but must not allocate through gpupool. Exceptions
+    it raises are printed and ignored. Stays registered across
+    :func:`shutdown` and :func:`init`."""
+    global _oom_keep
+    if callback is not None and not callable(callback):
+        raise TypeError("callback must be callable or None")
+    with _oom_lock:
+        if callback is None:
+            tramp = _lib.OOM_CALLBACK()
+        else:
+
+            def tramp_fn(device, requested, _user):
+                try:
+                    callback(int(device), int(requested))
+                except BaseException:  # nothing may unwind into the C caller
+                    import sys
+                    import traceback
+
+                    print("gpupool: exception in the on_oom callback:", file=sys.stderr)
+                    traceback.print_exc()
+
+            tramp = _lib.OOM_CALLBACK(tramp_fn)
+        _check(_lib.lib().gpupool_set_oom_callback(tramp, None))
+        _oom_keep = tramp
+
+
+# ---- snapshots ------------------------------------------------------------------
+
+
+def snapshot(device: int = 0):
+    """A snapshot of ``device`` in gpupool's JSON layout (``device``,
+    ``segments`` with their ``blocks``, ``stats``, ``history``) as a dict;
+    ``device=-1`` gives a list, one per device. Exact while no other thread
+    allocates; a diagnostic, not a fast call."""
+    d = _device(device, allow_all=True)
+    snaps = json.loads(_text(_lib.lib().gpupool_snapshot_json, d))
+    return snaps if d == -1 else snaps[0]
+
+
+def record_history(enabled: bool = True, device: int = -1) -> None:
+    """Turns alloc/free event recording on (clearing earlier events) or off."""
+    _check(_lib.lib().gpupool_record_history(_device(device, allow_all=True), 1 if enabled else 0))
+
+
+def dump_snapshot(path, device: int = -1) -> None:
+    """Writes a pickle in PyTorch's snapshot layout (open it in
+    https://pytorch.org/memory_viz)."""
+    _check(_lib.lib().gpupool_snapshot_pickle(_device(device, allow_all=True), os.fsencode(path)))
+
+
+# ---- about ------------------------------------------------------------------------
+
+
+def version() -> str:
+    """The version of the loaded library."""
+    return _lib.lib().gpupool_version().decode()
+
+
+def abi_version() -> int:
+    """The C ABI version of the loaded library (``GPUPOOL_ABI_VERSION``)."""
+    return int(_lib.lib().gpupool_abi_version())
+
+
+def library_path() -> str:
+    """The path of the loaded ``libgpupool.so``."""
+    return _lib.path()
