@@ -156,6 +156,6 @@ impl PoolShared {
 
     /// Device memory held now.
     pub(crate) fn reserved_now(&self) -> u64 {
-        self.heap.lock().heap.reserved()
+        self.heap.lock_quiet().heap.reserved()
     }
 }

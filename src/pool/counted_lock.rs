@@ -31,6 +31,14 @@ impl<T> CountedMutex<T> {
         self.inner.lock()
     }
 
+    /// Takes the lock without counting it: for observation (stats,
+    /// audits, snapshots, pointer lookups), so that reading the figure does
+    /// not change it.
+    #[inline]
+    pub(crate) fn lock_quiet(&self) -> MutexGuard<'_, T> {
+        self.inner.lock()
+    }
+
     /// Acquisitions so far.
     pub(crate) fn acquisitions(&self) -> u64 {
         self.taken.load(Relaxed)

@@ -131,7 +131,7 @@ impl PoolShared {
         // Movable regions are heap allocations; their free extents are
         // cached bytes and their held bytes are pending (see src/compact/).
         let (mv_regions, mv_live, _, mv_free) = self.movable.audit()?;
-        let mut h = self.heap.lock();
+        let mut h = self.heap.lock_quiet();
         h.heap.check()?;
         let f = h.heap.figures();
         let c = self.census(|id| h.group_events.contains_key(&id));
@@ -197,7 +197,7 @@ impl PoolShared {
         let _gate = self.maint_gate.lock();
         super::magazine::flush_for(self);
         let stats = self.stats();
-        let mut h = self.heap.lock();
+        let mut h = self.heap.lock_quiet();
         let census = self.census(|_| true);
 
         let parked: HashSet<u64> = h.exact.addrs().collect();

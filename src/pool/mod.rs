@@ -351,7 +351,7 @@ impl DevicePool {
 
     /// Device memory held now (cheaper than [`DevicePool::stats`]).
     pub fn reserved_bytes(&self) -> u64 {
-        self.shared.heap.lock().heap.reserved()
+        self.shared.heap.lock_quiet().heap.reserved()
     }
 
     /// Resets peaks to the current values.
@@ -1271,7 +1271,7 @@ impl PoolShared {
                 .is_raw_live(slot.idx)
                 .then(|| self.slabs.requested(slot.idx));
         }
-        LargeLive::at(&mut self.heap.lock().heap, addr)
+        LargeLive::at(&mut self.heap.lock_quiet().heap, addr)
             .filter(|l| l.raw)
             .map(|l| l.requested)
     }
@@ -1294,7 +1294,7 @@ impl PoolShared {
     fn stats(&self) -> PoolStats {
         let (requested, allocated, allocs, frees) = self.counters.totals();
         let (reserved, heap_pending, overhead, device_allocs, device_frees, releasable) = {
-            let h = self.heap.lock();
+            let h = self.heap.lock_quiet();
             let f = h.heap.figures();
             (
                 f.reserved,

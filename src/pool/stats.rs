@@ -74,6 +74,7 @@ pub struct PoolStats {
     /// Times the device's heap mutex was taken (the large path and every
     /// slow path): divided by operations, how device-wide the pool's
     /// locking is.
+    #[serde(skip_serializing)]
     pub heap_lock_acquisitions: u64,
     /// Times an allocation waited on the host for in-flight frees before
     /// giving up (the one host wait the alloc path may make: on the way to
