@@ -20,17 +20,7 @@ use crate::backend::Call;
 use crate::error::{Error, Result};
 use std::time::Duration;
 
-/// Which backend a runtime uses.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub enum BackendKind {
-    /// The simulator with this configuration.
-    Sim(SimConfig),
-    /// The CUDA driver; an error if none is present.
-    Cuda,
-    /// CUDA if a driver and a device are present, else the simulator with
-    /// [`PoolConfig::sim`].
-    Auto,
-}
+pub use crate::backend::BackendKind;
 
 /// Everything that tunes the pools (and, through `GPUPOOL_CONF`, the backend).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]

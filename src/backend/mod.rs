@@ -214,13 +214,21 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     fn as_any(&self) -> &dyn Any;
 }
 
+/// Which backend a runtime uses.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub enum BackendKind {
+    /// The simulator with this configuration.
+    Sim(sim::SimConfig),
+    /// The CUDA driver; an error if none is present.
+    Cuda,
+    /// CUDA if a driver and a device are present, else the simulator with
+    /// the configuration's `sim` settings.
+    Auto,
+}
+
 /// Opens the backend `kind` names. `Auto` tries CUDA (when the `cuda`
 /// feature is built) and falls back to the simulator with `sim`, logging why.
-pub fn open(
-    kind: &crate::config::BackendKind,
-    sim: &sim::SimConfig,
-) -> Result<std::sync::Arc<dyn Backend>> {
-    use crate::config::BackendKind;
+pub fn open(kind: &BackendKind, sim: &sim::SimConfig) -> Result<std::sync::Arc<dyn Backend>> {
     match kind {
         BackendKind::Sim(cfg) => Ok(std::sync::Arc::new(sim::SimBackend::new(cfg.clone())?)),
         BackendKind::Cuda => open_cuda(),
