@@ -1,5 +1,6 @@
-//! `include/gpupool.h` is generated from `src/ffi.rs` by cbindgen and
-//! checked in; this test fails when it is stale.
+//! `include/gpupool.h` is generated from `src/ffi/` (`mod.rs` and the
+//! modules it declares, in order) by cbindgen and checked in; this test
+//! fails when it is stale.
 //! `GPUPOOL_BLESS=1 cargo test --test header` rewrites it.
 
 use std::path::Path;
@@ -10,7 +11,7 @@ fn generate() -> String {
         .unwrap_or_else(|e| panic!("reading cbindgen.toml: {e}"));
     let bindings = cbindgen::Builder::new()
         .with_config(config)
-        .with_src(root.join("src/ffi.rs"))
+        .with_src(root.join("src/ffi/mod.rs"))
         .generate()
         .unwrap_or_else(|e| panic!("cbindgen: {e}"));
     let mut out = Vec::new();

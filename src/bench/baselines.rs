@@ -515,7 +515,7 @@ impl OffsetAllocatorPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::Rng;
+    use crate::bench::harness::Rng;
 
     #[test]
     fn best_fit_rounds_splits_and_reuses() {

@@ -23,7 +23,8 @@
 //! overlap.
 
 use super::baselines::MutexBestFit;
-use super::{baseline_oom, sim_runtime, CAPACITY_BYTES};
+use super::harness::{baseline_oom, sim_runtime};
+use super::CAPACITY_BYTES;
 use crate::backend::sim::{KernelOp, SimBackend};
 use crate::backend::Backend;
 use crate::error::{Error, Result};

@@ -1,0 +1,86 @@
+//! Allocation through the C ABI: `gpupool_alloc`, `gpupool_free` and
+//! `gpupool_record_stream`, each on an explicit device and stream.
+//!
+//! A free of a pointer live on another device is reported as
+//! `GPUPOOL_STATUS_WRONG_DEVICE` naming the owner (`State::classify`).
+
+use super::state::with_state;
+use super::status::{status, FResult, Fail};
+use crate::ptr::DevicePtr;
+use std::ffi::{c_int, c_void};
+
+/// Allocates `size` bytes on `device` for use on `stream` (`NULL`: the
+/// default stream) into `*out`. Alignment is at least 256 bytes. The memory
+/// is never moved. `size == 0` is `GPUPOOL_STATUS_INVALID_SIZE`, as is a size
+/// larger than the device. On any failure `*out` is set to `NULL`.
+///
+/// # Safety
+/// `out` is NULL or valid for one pointer write.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_alloc(
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+    out: *mut *mut c_void,
+) -> c_int {
+    status("gpupool_alloc", || {
+        if out.is_null() {
+            return Err(Fail::null("out"));
+        }
+        // SAFETY: `out` is non-NULL and valid for writes (caller's contract).
+        unsafe { out.write(std::ptr::null_mut()) };
+        let p = with_state(|st| {
+            st.with_stream(device, stream, |pool, s| Ok(pool.alloc_raw(size, s)?))
+        })?;
+        // SAFETY: as above.
+        unsafe { out.write(p.addr() as usize as *mut c_void) };
+        Ok(())
+    })
+}
+
+/// Frees `ptr` (from `gpupool_alloc` or `gpupool_torch_malloc` on `device`),
+/// ordered after the work enqueued so far on `stream` and on every stream
+/// recorded with `gpupool_record_stream`. The memory is reusable at once by
+/// `stream`, by other streams once that work completes. Errors:
+/// `NULL_ARGUMENT`, `WRONG_DEVICE` (the message names the owner),
+/// `UNKNOWN_POINTER`, `DOUBLE_FREE`.
+#[no_mangle]
+pub extern "C" fn gpupool_free(ptr: *mut c_void, device: c_int, stream: *mut c_void) -> c_int {
+    status("gpupool_free", || free_impl(ptr, device, stream))
+}
+
+/// The body of `gpupool_free`, shared with `gpupool_torch_free`.
+pub(super) fn free_impl(ptr: *mut c_void, device: c_int, stream: *mut c_void) -> FResult<()> {
+    if ptr.is_null() {
+        return Err(Fail::null("ptr"));
+    }
+    let addr = ptr as usize as u64;
+    with_state(|st| {
+        st.with_stream(device, stream, |pool, s| {
+            pool.free_raw(DevicePtr(addr), s)
+                .map_err(|e| st.classify(e, addr, pool.device()))
+        })
+    })
+}
+
+/// Marks `ptr` as also used on `stream` (PyTorch's `record_stream`): its
+/// free will wait for the work enqueued on `stream` up to the free.
+#[no_mangle]
+pub extern "C" fn gpupool_record_stream(
+    ptr: *mut c_void,
+    device: c_int,
+    stream: *mut c_void,
+) -> c_int {
+    status("gpupool_record_stream", || {
+        if ptr.is_null() {
+            return Err(Fail::null("ptr"));
+        }
+        let addr = ptr as usize as u64;
+        with_state(|st| {
+            st.with_stream(device, stream, |pool, s| {
+                pool.record_stream_raw(DevicePtr(addr), s)
+                    .map_err(|e| st.classify(e, addr, pool.device()))
+            })
+        })
+    })
+}

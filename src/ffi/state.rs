@@ -1,0 +1,341 @@
+//! The process-wide runtime behind the ABI: [`State`] (the [`Runtime`],
+//! the streams the ABI knows per device), its lifecycle (`gpupool_init`,
+//! `gpupool_shutdown`, `gpupool_device_count`), and the checks every call
+//! makes on its device index and stream handle.
+//!
+//! Invariant: every call runs under the read lock of [`GLOBAL`] (through
+//! [`with_state`]) for its whole duration; `gpupool_init` and
+//! `gpupool_shutdown` are the only writers, so `gpupool_shutdown` waits for
+//! calls in flight and no call ever sees a half-torn-down runtime.
+
+use super::limits::call_oom_callback;
+use super::status::{status, FResult, Fail, GpupoolStatus};
+use super::text::c_str;
+use crate::config::PoolConfig;
+use crate::error::Error;
+use crate::pool::{DevicePool, Stream};
+use crate::ptr::{DevicePtr, StreamHandle};
+use crate::runtime::Runtime;
+use parking_lot::RwLock;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// A stream known to the ABI.
+pub(super) struct Known {
+    pub(super) stream: Stream,
+    /// Made by `gpupool_stream_create` (and so destroyable through the ABI).
+    pub(super) created: bool,
+}
+
+/// Everything `gpupool_init` builds.
+pub(super) struct State {
+    pub(super) rt: Runtime,
+    /// Whether the backend is the simulator (no foreign streams there).
+    sim: bool,
+    /// Per device: raw stream handle -> stream.
+    pub(super) streams: Vec<RwLock<HashMap<u64, Known>>>,
+    /// Per device: whether the pool calls the C out-of-memory callback.
+    oom_hooked: Vec<AtomicBool>,
+}
+
+enum Global {
+    Uninit,
+    Live(Box<State>),
+    Shut,
+}
+
+/// The runtime. Calls hold the read lock for their whole duration, so
+/// `gpupool_shutdown` (the only writer besides init) waits for calls in
+/// flight and no call ever sees a half-torn-down runtime.
+static GLOBAL: RwLock<Global> = parking_lot::const_rwlock(Global::Uninit);
+
+static LOG_INSTALLED: AtomicBool = AtomicBool::new(false);
+
+pub(super) fn with_state<T>(f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> {
+    // Recursive: an out-of-memory callback runs inside a call and may call
+    // in again (to read statistics) while `gpupool_shutdown` waits.
+    let g = GLOBAL.read_recursive();
+    match &*g {
+        Global::Live(s) => f(s),
+        Global::Uninit => Err(Fail::new(
+            GpupoolStatus::NotInitialized,
+            "gpupool is not initialized: call gpupool_init first",
+        )),
+        Global::Shut => Err(Fail::new(
+            GpupoolStatus::Shutdown,
+            "gpupool is shut down (gpupool_shutdown was called); gpupool_init starts it again",
+        )),
+    }
+}
+
+fn install_logging() -> FResult<()> {
+    let Ok(filter) = std::env::var("GPUPOOL_LOG") else {
+        return Ok(());
+    };
+    if filter.trim().is_empty() || LOG_INSTALLED.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    let env = tracing_subscriber::EnvFilter::try_new(&filter).map_err(|e| {
+        Fail::from(Error::Config {
+            key: "GPUPOOL_LOG".into(),
+            msg: format!("{filter:?}: {e}"),
+        })
+    })?;
+    // Fails only when the process already has a subscriber: keep that one.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(env)
+        .with_writer(std::io::stderr)
+        .try_init();
+    LOG_INSTALLED.store(true, Ordering::Release);
+    Ok(())
+}
+
+fn init_from(conf: Option<&str>) -> FResult<()> {
+    let cfg = match conf {
+        Some(s) => PoolConfig::parse(s)?,
+        None => PoolConfig::from_env()?,
+    };
+    install_logging()?;
+    let mut g = GLOBAL.write();
+    if let Global::Live(_) = &*g {
+        return Err(Fail::new(
+            GpupoolStatus::AlreadyInitialized,
+            "gpupool is already initialized (call gpupool_shutdown first to restart it)",
+        ));
+    }
+    let rt = Runtime::builder().config(cfg).build()?;
+    let sim = rt.backend().name() == "sim";
+    tracing::info!(
+        backend = rt.backend().name(),
+        devices = rt.device_count(),
+        "gpupool initialized through the C ABI"
+    );
+    let streams = (0..rt.device_count())
+        .map(|_| RwLock::new(HashMap::new()))
+        .collect();
+    let oom_hooked = (0..rt.device_count())
+        .map(|_| AtomicBool::new(false))
+        .collect();
+    *g = Global::Live(Box::new(State {
+        rt,
+        sim,
+        streams,
+        oom_hooked,
+    }));
+    Ok(())
+}
+
+/// Initializes from `GPUPOOL_CONF` unless a runtime was started (or shut
+/// down): the PyTorch hooks' implicit `gpupool_init`.
+pub(super) fn ensure_init() -> FResult<()> {
+    let uninit = matches!(&*GLOBAL.read(), Global::Uninit);
+    if uninit {
+        match init_from(None) {
+            Err(f) if f.status == GpupoolStatus::AlreadyInitialized => {}
+            other => other?,
+        }
+    }
+    Ok(())
+}
+
+impl State {
+    pub(super) fn pool(&self, device: c_int) -> FResult<&DevicePool> {
+        let n = self.rt.device_count();
+        let d = usize::try_from(device)
+            .ok()
+            .filter(|&d| d < n)
+            .ok_or_else(|| {
+                Fail::new(
+                    GpupoolStatus::InvalidDevice,
+                    format!("invalid device {device}: {n} device(s) present"),
+                )
+            })?;
+        // Built on first use; the C out-of-memory callback is hooked to
+        // each pool once, when the ABI first sees it.
+        let pool = self.rt.device(d)?;
+        if !self.oom_hooked[d].swap(true, Ordering::AcqRel) {
+            pool.on_oom(Box::new(call_oom_callback));
+        }
+        Ok(pool)
+    }
+
+    /// Runs `f` with the pool of `device` and the stream `handle` of it.
+    pub(super) fn with_stream<T>(
+        &self,
+        device: c_int,
+        handle: *mut c_void,
+        f: impl FnOnce(&DevicePool, &Stream) -> FResult<T>,
+    ) -> FResult<T> {
+        let pool = self.pool(device)?;
+        let dev = pool.device();
+        let h = handle as usize as u64;
+        if StreamHandle(h).canonical() == StreamHandle(0) {
+            return f(pool, pool.default_stream());
+        }
+        if StreamHandle(h) == StreamHandle::PER_THREAD {
+            // The calling thread's default stream: a wrapper per call, bound
+            // to this thread (it has no slot, so this costs no retirement).
+            let s = pool.stream_from_raw(StreamHandle::PER_THREAD);
+            return f(pool, &s);
+        }
+        {
+            let m = self.streams[dev].read();
+            if let Some(k) = m.get(&h) {
+                return f(pool, &k.stream);
+            }
+        }
+        if let Some(other) =
+            (0..self.streams.len()).find(|&d| d != dev && self.streams[d].read().contains_key(&h))
+        {
+            return Err(Fail::new(
+                GpupoolStatus::InvalidHandle,
+                format!("stream {h:#x} belongs to device {other}, not device {dev}"),
+            ));
+        }
+        if self.sim {
+            return Err(Fail::new(
+                GpupoolStatus::InvalidHandle,
+                format!(
+                    "unknown stream {h:#x} on device {dev}: the simulator only knows NULL \
+                     (the default stream) and streams from gpupool_stream_create"
+                ),
+            ));
+        }
+        // A stream created elsewhere (PyTorch's): wrap it once, keep it.
+        let stream = {
+            let mut m = self.streams[dev].write();
+            m.entry(h)
+                .or_insert_with(|| Known {
+                    stream: pool.stream_from_raw(StreamHandle(h)),
+                    created: false,
+                })
+                .stream
+                .clone()
+        };
+        f(pool, &stream)
+    }
+
+    /// The device (other than `dev`) on which `addr` is a live raw
+    /// allocation, if any.
+    fn owner_of(&self, addr: u64, dev: usize) -> Option<usize> {
+        self.rt
+            .active_devices()
+            .into_iter()
+            .find(|p| p.device() != dev && p.raw_size(DevicePtr(addr)).is_some())
+            .map(|p| p.device())
+    }
+
+    /// Turns an unknown-pointer error into a wrong-device one when the
+    /// pointer is live on another device.
+    pub(super) fn classify(&self, e: Error, addr: u64, dev: usize) -> Fail {
+        if let Error::UnknownPointer { .. } = e {
+            if let Some(owner) = self.owner_of(addr, dev) {
+                return Fail::new(
+                    GpupoolStatus::WrongDevice,
+                    format!(
+                        "pointer {addr:#x} was allocated on device {owner}, not on device {dev}"
+                    ),
+                );
+            }
+        }
+        e.into()
+    }
+}
+
+/// The devices `device` names: all of them for `-1`, else the one checked.
+pub(super) fn check_device_or_all(st: &State, device: c_int) -> FResult<Vec<usize>> {
+    if device == -1 {
+        Ok((0..st.rt.device_count()).collect())
+    } else {
+        Ok(vec![st.pool(device)?.device()])
+    }
+}
+
+// ---- lifecycle ----------------------------------------------------------------------------
+
+/// Starts the runtime.
+///
+/// `conf` is a `GPUPOOL_CONF`-style string (`"backend=sim,devices=2,capacity=256MiB"`;
+/// `backend=cuda|sim|auto` plus the pool's keys); `NULL` reads the
+/// `GPUPOOL_CONF` environment variable (defaults where unset). Returns
+/// `GPUPOOL_STATUS_CONFIG` naming the bad key, `GPUPOOL_STATUS_NO_DRIVER` for
+/// `backend=cuda` without a GPU, `GPUPOOL_STATUS_ALREADY_INITIALIZED` when a
+/// runtime is running. After `gpupool_shutdown` it starts a fresh runtime.
+///
+/// # Safety
+/// `conf` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_init(conf: *const c_char) -> c_int {
+    status("gpupool_init", || {
+        let conf = if conf.is_null() {
+            None
+        } else {
+            // SAFETY: non-NULL, NUL-terminated by the caller's contract.
+            Some(unsafe { c_str(conf, "conf") }?)
+        };
+        init_from(conf)
+    })
+}
+
+/// Stops the runtime: waits for calls in flight, then releases every pool,
+/// stream and byte of device memory. Pointers still live become invalid.
+/// Later calls return `GPUPOOL_STATUS_SHUTDOWN` until `gpupool_init` runs
+/// again.
+#[no_mangle]
+pub extern "C" fn gpupool_shutdown() -> c_int {
+    status("gpupool_shutdown", || {
+        let old = {
+            let mut g = GLOBAL.write();
+            match &mut *g {
+                live @ Global::Live(_) => std::mem::replace(live, Global::Shut),
+                Global::Uninit => {
+                    return Err(Fail::new(
+                        GpupoolStatus::NotInitialized,
+                        "gpupool is not initialized: nothing to shut down",
+                    ))
+                }
+                Global::Shut => {
+                    return Err(Fail::new(
+                        GpupoolStatus::Shutdown,
+                        "gpupool is already shut down",
+                    ))
+                }
+            }
+        };
+        if let Global::Live(st) = old {
+            for p in st.rt.active_devices() {
+                let live = p.stats().requested_bytes.current;
+                if live > 0 {
+                    tracing::warn!(
+                        device = p.device(),
+                        live,
+                        "gpupool_shutdown with live allocations; their pointers are now invalid"
+                    );
+                }
+            }
+            st.rt.shutdown();
+            drop(st);
+        }
+        Ok(())
+    })
+}
+
+/// Number of devices of the running runtime, into `*out`.
+///
+/// # Safety
+/// `out` is NULL or valid for one `int` write.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_device_count(out: *mut c_int) -> c_int {
+    status("gpupool_device_count", || {
+        if out.is_null() {
+            return Err(Fail::null("out"));
+        }
+        with_state(|st| {
+            let n = c_int::try_from(st.rt.device_count()).unwrap_or(c_int::MAX);
+            // SAFETY: `out` is non-NULL and valid for writes (caller's contract).
+            unsafe { out.write(n) };
+            Ok(())
+        })
+    })
+}

@@ -1,0 +1,85 @@
+//! Statistics through the C ABI: `gpupool_stats_json` (gpupool's
+//! `PoolStats`), `gpupool_memory_stats_json` (PyTorch's flat
+//! `memory_stats()` layout) and `gpupool_reset_peak_stats`.
+
+use super::state::with_state;
+use super::status::{status, Fail, GpupoolStatus};
+use super::text::write_text;
+use std::ffi::{c_char, c_int};
+
+/// Writes the statistics of `device` as one JSON object (the fields of
+/// `PoolStats`: `device`, `requested_bytes`, `allocated_bytes`,
+/// `active_bytes`, `reserved_bytes`, `inactive_split_bytes`,
+/// `cached_bytes`, `pending_bytes` as `{"current", "peak"}`, and the
+/// counters `num_allocs`, `num_frees`, `num_device_allocs`, `num_ooms`,
+/// ...). The byte names mean what PyTorch means: requested sizes, their
+/// rounded sizes, those plus freed blocks not yet reusable, device memory
+/// held. See the buffer protocol in the header's preamble, and
+/// `gpupool_memory_stats_json` for PyTorch's flat layout.
+///
+/// # Safety
+/// `buf` is NULL or valid for writes of `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_stats_json(device: c_int, buf: *mut c_char, len: usize) -> c_int {
+    status("gpupool_stats_json", || {
+        if buf.is_null() && len != 0 {
+            return Err(Fail::null("buf"));
+        }
+        let json = with_state(|st| {
+            let stats = st.pool(device)?.stats();
+            serde_json::to_string(&stats)
+                .map_err(|e| Fail::new(GpupoolStatus::Io, format!("serializing stats: {e}")))
+        })?;
+        // SAFETY: `buf` is NULL or valid for `len` bytes (caller's contract).
+        unsafe { write_text(buf, len, &json) }
+    })
+}
+
+/// Writes the statistics of `device` as one flat JSON object in the layout
+/// of `torch.cuda.memory_stats()`: `{"active_bytes.all.current": N,
+/// "allocated_bytes.all.current": N, "allocated_bytes.all.peak": N, ...,
+/// "num_alloc_retries": N, "num_ooms": N, ...}`, keys sorted, with PyTorch's
+/// meanings (see `PoolStats::memory_stats` in the Rust docs). Same buffer
+/// protocol as `gpupool_stats_json`.
+///
+/// # Safety
+/// `buf` is NULL or valid for writes of `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_memory_stats_json(
+    device: c_int,
+    buf: *mut c_char,
+    len: usize,
+) -> c_int {
+    status("gpupool_memory_stats_json", || {
+        if buf.is_null() && len != 0 {
+            return Err(Fail::null("buf"));
+        }
+        let json = with_state(|st| {
+            let flat = st.pool(device)?.stats().memory_stats();
+            serde_json::to_string(&flat)
+                .map_err(|e| Fail::new(GpupoolStatus::Io, format!("serializing stats: {e}")))
+        })?;
+        // SAFETY: `buf` is NULL or valid for `len` bytes (caller's contract).
+        unsafe { write_text(buf, len, &json) }
+    })
+}
+
+/// Resets the peaks of `device` (`-1`: every device in use; a device not
+/// used yet has no peaks) to the current values (PyTorch's
+/// `reset_peak_memory_stats`).
+#[no_mangle]
+pub extern "C" fn gpupool_reset_peak_stats(device: c_int) -> c_int {
+    status("gpupool_reset_peak_stats", || {
+        with_state(|st| {
+            if device == -1 {
+                st.rt
+                    .active_devices()
+                    .into_iter()
+                    .for_each(|p| p.reset_peak_stats());
+                return Ok(());
+            }
+            st.pool(device)?.reset_peak_stats();
+            Ok(())
+        })
+    })
+}
