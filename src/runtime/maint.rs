@@ -241,12 +241,15 @@ mod tests {
             }))
             .build()
             .unwrap();
+        // Pools (and their threads) start on first use.
+        assert_eq!(rt.devices().len(), 2);
         let deadline = Instant::now() + Duration::from_secs(5);
         while rt.maintenance_stats().iter().any(|m| m.binding.is_none()) {
             assert!(Instant::now() < deadline, "threads did not start");
             std::thread::sleep(Duration::from_millis(1));
         }
         let stats = rt.maintenance_stats();
+        assert_eq!(stats.len(), 2, "one thread per device");
         (rt, stats)
     }
 
