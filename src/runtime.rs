@@ -125,8 +125,9 @@ pub struct Runtime {
     backend: Arc<dyn Backend>,
     config: PoolConfig,
     pools: Pools,
-    /// Serializes building pools (a slow path, once per device).
-    building: Mutex<()>,
+    /// Serializes building pools (a slow path, once per device); `true`
+    /// once [`Runtime::shutdown`] ran, so that no pool is built after it.
+    building: Mutex<bool>,
     topology: Topology,
     peer_access: bool,
     peers: Mutex<PeerMatrix>,
@@ -170,7 +171,7 @@ impl Runtime {
             backend,
             config,
             pools: Arc::new((0..n).map(|_| OnceLock::new()).collect()),
-            building: Mutex::new(()),
+            building: Mutex::new(false),
             topology,
             peer_access: peers,
             peers: Mutex::new(matrix),
@@ -181,9 +182,12 @@ impl Runtime {
     /// Builds the pool of device `dev` (under `building`): the pool, its
     /// peer grants and its maintenance thread.
     fn build_pool(&self, dev: usize) -> Result<&DevicePool> {
-        let _b = self.building.lock();
+        let shut = self.building.lock();
         if let Some(p) = self.pools[dev].get() {
             return Ok(p);
+        }
+        if *shut {
+            return Err(Error::Shutdown);
         }
         let pool = DevicePool::new(self.backend.clone(), dev, self.config.clone())?;
         if self.peer_access {
@@ -310,6 +314,7 @@ impl Runtime {
     /// Stops the maintenance threads and shuts every pool down: later
     /// calls fail with [`Error::Shutdown`].
     pub fn shutdown(&self) {
+        *self.building.lock() = true;
         self.maintenance.lock().stop();
         for p in self.active_devices() {
             p.shutdown();

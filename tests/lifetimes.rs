@@ -501,3 +501,21 @@ fn a_block_recorded_on_one_threads_default_stream_is_freed_on_another() {
         assert_eq!(be.integrity_errors(0), 0);
     });
 }
+
+#[test]
+fn no_pool_starts_after_shutdown() {
+    let be = Arc::new(
+        SimBackend::new(SimConfig {
+            devices: 2,
+            ..Default::default()
+        })
+        .unwrap(),
+    );
+    let rt = Runtime::with_backend(be.clone(), PoolConfig::default()).unwrap();
+    let dev0 = rt.device(0).unwrap();
+    rt.shutdown();
+    assert!(matches!(dev0.new_stream(), Err(gpupool::Error::Shutdown)));
+    assert!(matches!(rt.device(1), Err(gpupool::Error::Shutdown)));
+    assert_eq!(rt.active_devices().len(), 1);
+    assert_eq!(be.counters().get(gpupool::backend::Call::AddressReserve), 1);
+}
