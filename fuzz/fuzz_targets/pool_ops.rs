@@ -196,7 +196,7 @@ impl<'a> Model<'a> {
             self.dev.stats()
         };
         let live_bytes: u64 = self.live.iter().map(|l| l.size).sum();
-        assert_eq!(st.allocated_bytes.current, live_bytes, "allocated != model");
+        assert_eq!(st.requested_bytes.current, live_bytes, "requested != model");
         assert_eq!(
             (st.num_allocs, st.num_frees),
             (self.allocs, self.frees),
