@@ -87,6 +87,9 @@ pub struct ThreadsRow {
     pub threads: usize,
     /// gpupool operations (allocs + frees) per second, all threads.
     pub gpupool_ops_per_sec: f64,
+    /// Acquisitions of the device's heap mutex (its one device-wide lock)
+    /// per gpupool operation in this row's runs.
+    pub gpupool_heap_locks_per_op: f64,
     /// The mutex baseline's operations per second, all threads.
     pub mutex_best_fit_ops_per_sec: f64,
     /// The PyTorch port's operations per second, all threads, each thread

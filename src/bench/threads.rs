@@ -113,7 +113,14 @@ pub(super) fn threads_table(plan: &Plan, max_threads: usize) -> Result<Vec<Threa
     let dev = rt.device(0)?;
     let mut rows: Vec<ThreadsRow> = Vec::new();
     for t in 1..=max_threads {
+        let locks0 = dev.stats().heap_lock_acquisitions;
         let g = gpupool_threads(dev, plan, t)?;
+        // Every operation of the measured runs and their warm-ups.
+        let ops = 2
+            * t as u64
+            * plan.thread_reps.max(1) as u64
+            * (plan.warmup as u64 + plan.gpupool_thread_pairs);
+        let locks = dev.stats().heap_lock_acquisitions - locks0;
         let m = mutex_threads(plan, t)?;
         let tp = torch_threads(plan, t)?;
         let (g1, m1) = rows.first().map_or((g.ops_per_sec, m.ops_per_sec), |r| {
@@ -122,6 +129,7 @@ pub(super) fn threads_table(plan: &Plan, max_threads: usize) -> Result<Vec<Threa
         rows.push(ThreadsRow {
             threads: t,
             gpupool_ops_per_sec: g.ops_per_sec,
+            gpupool_heap_locks_per_op: locks as f64 / ops.max(1) as f64,
             mutex_best_fit_ops_per_sec: m.ops_per_sec,
             torch_ops_per_sec: tp.ops_per_sec,
             gpupool_vs_torch: g.ops_per_sec / tp.ops_per_sec,
