@@ -91,9 +91,19 @@ pub struct Peers {
 /// One pass of `trace` over `a`; what is live at the end is freed. Returns
 /// the allocations refused.
 pub fn pass(a: &mut dyn PeerAllocator, trace: &Trace) -> Result<u64> {
+    pass_sampled(a, trace, None)
+}
+
+/// [`pass`], pushing `(event index, reserved bytes)` every `every` events
+/// into `samples` when given.
+fn pass_sampled(
+    a: &mut dyn PeerAllocator,
+    trace: &Trace,
+    mut samples: Option<(u64, &mut Vec<(u64, u64)>)>,
+) -> Result<u64> {
     let mut live: Vec<Option<u64>> = vec![None; trace.id_bound()];
     let mut failed = 0;
-    for ev in &trace.events {
+    for (i, ev) in trace.events.iter().enumerate() {
         match *ev {
             TraceEvent::Alloc { id, size, stream } => match a.alloc(size, stream) {
                 Ok(p) => live[id as usize] = Some(p),
@@ -104,6 +114,11 @@ pub fn pass(a: &mut dyn PeerAllocator, trace: &Trace) -> Result<u64> {
                 if let Some(p) = live[id as usize].take() {
                     a.free(p)?;
                 }
+            }
+        }
+        if let Some((every, out)) = samples.as_mut() {
+            if i as u64 % *every == 0 {
+                out.push((i as u64, a.reserved_bytes()));
             }
         }
     }
@@ -206,28 +221,7 @@ pub fn from_empty(cfg: TorchConfig, trace: &Trace) -> Result<PeerRun> {
     let before = counter(&a);
     let every = (trace.events.len() as u64 / PLOT_SAMPLES).max(1);
     let mut samples = Vec::new();
-    let mut live: Vec<Option<u64>> = vec![None; trace.id_bound()];
-    let mut failed = 0;
-    for (i, ev) in trace.events.iter().enumerate() {
-        match *ev {
-            TraceEvent::Alloc { id, size, stream } => match a.alloc(size, stream) {
-                Ok(p) => live[id as usize] = Some(p),
-                Err(e) if e.is_oom() => failed += 1,
-                Err(e) => return Err(e),
-            },
-            TraceEvent::Free { id, .. } => {
-                if let Some(p) = live[id as usize].take() {
-                    a.free(p)?;
-                }
-            }
-        }
-        if i as u64 % every == 0 {
-            samples.push((i as u64, a.reserved_bytes()));
-        }
-    }
-    for p in live.into_iter().flatten() {
-        a.free(p)?;
-    }
+    let failed = pass_sampled(&mut a, trace, Some((every, &mut samples)))?;
     let cold = counter(&a).since(&before);
     let peak = a.peak_reserved_bytes();
     let mut run = finish(a, trace, cold, peak, failed)?;
