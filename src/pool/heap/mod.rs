@@ -1,0 +1,777 @@
+//! The large path: best fit over one virtual-address space per device, with
+//! physical memory mapped granule by granule (or plain segments where the
+//! device has no virtual memory management).
+//!
+//! Every address of the reservation is in exactly one range: allocated (a
+//! large block or a slab) or free. Free ranges carry a [`Tag`] saying who may
+//! reuse them without further ordering:
+//!
+//! * `Clean`: every earlier use has completed; any stream may take it.
+//! * `Dirty(s)`: freed on stream slot `s` with no other users; stream `s` may
+//!   take it at once (its later work is ordered after the free), others not.
+//! * `Pending(id)`: waits on the events of pending group `id`; it becomes
+//!   `Clean` when they complete, or is handed to a stream that waits on them.
+//!
+//! Adjacent free ranges with equal tags are always merged. Physical memory:
+//! a granule is mapped while any allocated range overlaps it (`users > 0`);
+//! when its users drop to zero it stays mapped ("idle") until its chunk is
+//! needed elsewhere or trimmed. Only idle granules lying wholly inside one
+//! `Clean` range are ever unmapped, so no pending work can touch an unmapped
+//! address. A chunk taken from an idle granule is remapped under any new
+//! range (stitching): a large request is served whenever enough physical
+//! memory is held, whatever the layout.
+//!
+//! This file holds the heap's state and its allocate/free/owner interface;
+//! the concepts it builds on have a file each: `free_ranges` (the free-range
+//! index and the placement policy), `physical` (which chunk backs each
+//! granule), `stitch` (backing a range from idle memory elsewhere, and the
+//! quarantine of stolen chunks' old mappings) and `audit` (figures,
+//! snapshots and the consistency check).
+
+use super::addr_index::{AddrIndex, Span};
+use super::granule_set::GranuleSet;
+use super::size_class::ALIGN;
+use super::size_index::SizeIndex;
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::ptr::{ChunkHandle, DevicePtr};
+use rustc_hash::{FxHashMap, FxHashSet};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+mod audit;
+mod free_ranges;
+mod physical;
+mod stitch;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use audit::Piece;
+use physical::{granule_span, shared_granules};
+pub(crate) use stitch::GranuleRuns;
+use stitch::{push_run, StealCtx};
+
+/// Who may reuse a free range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum Tag {
+    /// Any stream.
+    Clean,
+    /// Stream slot `s` only, until flushed.
+    Dirty(u16),
+    /// Waits on pending group `id`.
+    Pending(u32),
+}
+
+/// A free range's length and tag.
+type FreeRange = Span<Tag>;
+
+/// The free ranges covering one granule `(addr, len, tag)`: usually one to
+/// three, kept on the stack (stitching asks for the cover of every idle
+/// granule it considers).
+type Cover = smallvec::SmallVec<[(u64, u64, Tag); 4]>;
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Granule {
+    chunk: Option<ChunkHandle>,
+    /// For a quarantined granule: the chunk its old mapping still maps
+    /// (stolen by aliasing; the chunk now also backs a new address).
+    alias: Option<ChunkHandle>,
+    /// Allocated ranges overlapping part of this granule. A granule that
+    /// one allocated range covers whole has no other user and counts 0
+    /// here: taking or freeing a range of many granules updates the idle
+    /// set of its whole granules a word at a time, not granule by granule.
+    users: u32,
+}
+
+/// Owner-word writes the heap holds back before making them in one pass
+/// (see [`Heap::set_owner`]).
+const OWNER_LOG: usize = 256;
+
+// One per heap, never moved on a hot path: boxing the large variant would
+// only add an indirection to every granule lookup.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+enum Physical {
+    /// One reservation; chunks mapped per granule.
+    Vmm {
+        base: u64,
+        len: u64,
+        granules: Vec<Granule>,
+        /// Chunks held but unmapped.
+        spare: Vec<ChunkHandle>,
+        /// Mapped granules with no users.
+        idle: GranuleSet,
+        /// Granules whose chunk was stolen while old uses may still run:
+        /// still mapped at the backend, excluded from every range.
+        quarantine: GranuleSet,
+        /// Mapped granules (chunk present), for counting any span's with
+        /// popcounts.
+        mapped: GranuleSet,
+    },
+    /// Plain segments (`cuMemAlloc`), base -> len; ranges never cross them.
+    Segments { segs: BTreeMap<u64, u64> },
+}
+
+/// Figures the audit and the stats read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct HeapFigures {
+    /// Physical bytes held.
+    pub reserved: u64,
+    /// Bytes of allocated ranges (large blocks and slabs).
+    pub allocated: u64,
+    /// Free bytes in mapped memory by tag kind.
+    pub free_clean: u64,
+    pub free_dirty: u64,
+    pub free_pending: u64,
+    /// Bytes of chunks held unmapped.
+    pub spare: u64,
+    /// Bytes of chunks given back but still mapped at quarantined
+    /// addresses (held until their old uses complete).
+    pub deferred: u64,
+}
+
+/// The per-device large-path heap. Not thread safe by itself: the pool holds
+/// it under one mutex (per device, never shared across devices).
+#[derive(Debug)]
+pub(crate) struct Heap {
+    dev: usize,
+    backend: Arc<dyn Backend>,
+    gran: u64,
+    phys: Physical,
+    by_addr: AddrIndex<Tag>,
+    by_tag: FxHashMap<Tag, SizeIndex>,
+    /// No request is shorter: the `Clean` and `Dirty` size indexes count
+    /// free ranges under it without storing them (see `size_index.rs`).
+    /// `Pending` ones store every range (harvesting walks them).
+    request_floor: u64,
+    /// Allocated ranges: addr -> (len, the caller's owner word). One map
+    /// serves both the heap and the pool's record of live large blocks,
+    /// so a large allocation or free costs one hash lookup, not two.
+    allocated: FxHashMap<u64, Allocated>,
+    /// Owner-word writes not yet made, oldest first (see
+    /// [`Heap::set_owner`]). Invariant: each names a range that is
+    /// allocated now (a range leaves the map only after the log is
+    /// applied), and applied in order they give every word its latest
+    /// value.
+    owner_log: Vec<(u64, u64)>,
+    reserved: u64,
+    allocated_bytes: u64,
+    next_pending: u32,
+    /// Granules quarantined since the last `take_quarantine`, as runs.
+    fresh_quarantine: GranuleRuns,
+    /// Quarantined old mappings per chunk. The driver frees a chunk's
+    /// memory only once it is released *and* unmapped everywhere, so a
+    /// chunk the heap gives back while an old mapping of it is quarantined
+    /// is still device memory held: it waits in `deferred`, counted in
+    /// `reserved`, until its last quarantined mapping goes.
+    aliases: FxHashMap<ChunkHandle, u32>,
+    deferred: FxHashSet<ChunkHandle>,
+    /// Pending groups whose memory was aliased since the last
+    /// `take_steal_waits`: the requesting stream must wait on them.
+    fresh_waits: Vec<u32>,
+    /// Pending groups that cannot be waited on (an event record failed):
+    /// never handed over nor stitched, whatever `pending_ok` says.
+    blocked: FxHashSet<u32>,
+    /// Device allocations made (chunks or segments).
+    pub device_allocs: u64,
+    /// Device frees made.
+    pub device_frees: u64,
+    /// Peer devices granted access to every mapped chunk (see `peer.rs`).
+    peers: Vec<usize>,
+    /// The most device memory the heap may hold (`max_bytes`, `fraction`,
+    /// `set_memory_limit`; see `limits.rs`): consulted before every chunk
+    /// or segment is created.
+    pub(crate) limit: super::limits::Limit,
+}
+
+/// An allocated range's length and the word its owner keeps with it.
+#[derive(Debug, Clone, Copy)]
+struct Allocated {
+    len: u64,
+    /// 0 until [`Heap::set_owner`]; the pool encodes live large blocks
+    /// (and leaves the word of a range it parks: see `PoolShared::free_block`).
+    owner: u64,
+}
+
+fn align_up(v: u64, a: u64) -> u64 {
+    v.div_ceil(a) * a
+}
+
+/// A range the heap handed out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Taken {
+    pub addr: u64,
+    /// The tag the range had.
+    pub from: Tag,
+    /// Pending groups whose events the caller's stream must wait on before
+    /// using the range (its own tag, or stolen granules).
+    pub waits: Vec<u32>,
+    /// Whether the range is safe for the requesting stream only (it was
+    /// dirty on it, or aliases memory its old work may still touch).
+    pub exclusive: bool,
+}
+
+impl Heap {
+    /// A heap over a fresh reservation of `va_bytes` (VMM) or over segments,
+    /// for requests of at least `request_floor` bytes (0: any).
+    pub(crate) fn new(
+        backend: Arc<dyn Backend>,
+        dev: usize,
+        va_bytes: u64,
+        request_floor: u64,
+    ) -> Result<Heap> {
+        let info = backend.device_info(dev)?;
+        let gran = info.granularity;
+        let mut heap = Heap {
+            dev,
+            gran,
+            phys: Physical::Segments {
+                segs: BTreeMap::new(),
+            },
+            by_addr: AddrIndex::default(),
+            by_tag: FxHashMap::default(),
+            request_floor,
+            allocated: FxHashMap::default(),
+            owner_log: Vec::with_capacity(OWNER_LOG),
+            reserved: 0,
+            allocated_bytes: 0,
+            next_pending: 0,
+            fresh_quarantine: Vec::new(),
+            aliases: FxHashMap::default(),
+            deferred: FxHashSet::default(),
+            fresh_waits: Vec::new(),
+            blocked: FxHashSet::default(),
+            device_allocs: 0,
+            device_frees: 0,
+            peers: Vec::new(),
+            limit: super::limits::Limit::default(),
+            backend,
+        };
+        if info.vmm_supported {
+            let len = align_up(va_bytes.max(gran), gran);
+            let base = heap.backend.reserve_va(dev, len)?.addr();
+            heap.phys = Physical::Vmm {
+                base,
+                len,
+                granules: vec![Granule::default(); (len / gran) as usize],
+                spare: Vec::new(),
+                idle: GranuleSet::new((len / gran) as usize),
+                quarantine: GranuleSet::new((len / gran) as usize),
+                mapped: GranuleSet::new((len / gran) as usize),
+            };
+            if gran.is_power_of_two() {
+                heap.by_addr = AddrIndex::for_reservation(base, len, gran.trailing_zeros());
+            }
+            heap.insert_free(base, len, Tag::Clean);
+        }
+        Ok(heap)
+    }
+
+    /// Base and length of the reservation (VMM mode).
+    pub(crate) fn reservation(&self) -> Option<(u64, u64)> {
+        match &self.phys {
+            Physical::Vmm { base, len, .. } => Some((*base, *len)),
+            Physical::Segments { .. } => None,
+        }
+    }
+
+    /// Physical bytes held.
+    pub(crate) fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
+    /// Like [`Heap::alloc`], but only where no granule needs physical
+    /// memory: no device allocation, no stitching. `None` if no such place.
+    pub(crate) fn alloc_backed(
+        &mut self,
+        len: u64,
+        align: u64,
+        slot: Option<u16>,
+    ) -> Option<Taken> {
+        let (rlen, raddr, start) = self.place_backed(slot, len, align)?;
+        self.take(
+            raddr,
+            rlen,
+            start,
+            len,
+            StealCtx {
+                slot,
+                pending_ok: false,
+            },
+        )
+        .ok()
+    }
+
+    /// Whether free memory tagged dirty on stream slots other than `slot`
+    /// adds up to at least `bytes`.
+    pub(crate) fn dirty_elsewhere_at_least(&self, slot: Option<u16>, bytes: u64) -> bool {
+        let sum: u64 = self
+            .by_tag
+            .iter()
+            .filter(|(t, _)| matches!(t, Tag::Dirty(s) if Some(*s) != slot))
+            .map(|(_, set)| set.bytes())
+            .sum();
+        sum >= bytes
+    }
+
+    /// Takes `len` bytes at `align` from the best-fitting pending range
+    /// that needs no new physical memory, for a stream that will wait on
+    /// the range's group ([`Taken::waits`]) instead of the host; only
+    /// groups `usable` accepts are considered. `None` if no pending range
+    /// fits that way. Called before the pool grows, so
+    /// that memory freed across streams is reused, not duplicated.
+    pub(crate) fn alloc_pending_backed(
+        &mut self,
+        len: u64,
+        align: u64,
+        slot: Option<u16>,
+        usable: impl Fn(u32) -> bool,
+    ) -> Option<Result<Taken>> {
+        let (rlen, raddr) = self
+            .by_tag
+            .iter()
+            .filter(|(t, _)| matches!(t, Tag::Pending(id) if usable(*id)))
+            .filter_map(|(_, set)| {
+                set.at_least(len)
+                    .find(|r| align_up(r.1, align) + len <= r.1 + r.0)
+            })
+            .filter(|&(_, raddr)| self.fully_backed(align_up(raddr, align), len))
+            .min()?;
+        let ctx = StealCtx {
+            slot,
+            pending_ok: true,
+        };
+        Some(self.take(raddr, rlen, align_up(raddr, align), len, ctx))
+    }
+
+    /// For a request that no single free range serves: `len` bytes at
+    /// `align` in a run of adjacent free, backed ranges whose tags differ
+    /// (`Clean`, `Dirty(slot)`, or `Pending(id)` with `usable(id)`), which
+    /// never merge with each other. Returns the start and the pending
+    /// groups in `[start, start+len)`; of the runs that fit, the one with
+    /// the fewest such groups, then the shortest. Nothing changes: once the
+    /// stream waits on those groups, [`Heap::take_run`] takes the place.
+    ///
+    /// Only runs holding pending memory are looked at: each is found from
+    /// one of its pending ranges by walking neighbours with exact address
+    /// lookups, so the cost follows the pending memory, not the heap (a
+    /// pool with no pending frees pays nothing; a scan of every free range
+    /// here made each growth O(ranges)).
+    pub(crate) fn find_run(
+        &self,
+        len: u64,
+        align: u64,
+        slot: u16,
+        usable: impl Fn(u32) -> bool,
+    ) -> Option<(u64, Vec<u32>)> {
+        let ok = |t: Tag| match t {
+            Tag::Clean => true,
+            Tag::Dirty(s) => s == slot,
+            Tag::Pending(id) => usable(id),
+        };
+        // The current run: backed, free, usable pieces `(addr, len, tag)`
+        // adjacent in address order.
+        let mut run: Vec<(u64, u64, Tag)> = Vec::new();
+        let mut best: Option<(usize, u64, u64, Vec<u32>)> = None; // (groups, run len, start, ids)
+        let mut consider = |run: &[(u64, u64, Tag)]| {
+            let Some(&(lo, _, _)) = run.first() else {
+                return;
+            };
+            let &(la, ll, _) = run.last().expect("non-empty");
+            let start = align_up(lo, align);
+            if start + len > la + ll {
+                return;
+            }
+            let mut ids: Vec<u32> = run
+                .iter()
+                .filter(|p| p.0 < start + len && p.0 + p.1 > start)
+                .filter_map(|p| match p.2 {
+                    Tag::Pending(id) => Some(id),
+                    _ => None,
+                })
+                .collect();
+            ids.sort_unstable();
+            ids.dedup();
+            let key = (ids.len(), la + ll - lo);
+            if best.as_ref().is_none_or(|b| key < (b.0, b.1)) {
+                best = Some((key.0, key.1, start, ids));
+            }
+        };
+        let mut seen: Vec<u64> = Vec::new();
+        let seeds = self
+            .by_tag
+            .iter()
+            .filter(|(t, _)| matches!(t, Tag::Pending(id) if usable(*id)))
+            .flat_map(|(_, set)| set.iter().map(|(_, addr)| addr));
+        for seed in seeds {
+            // The first free, usable range of the neighbourhood.
+            let mut lo = seed;
+            while let Some((pa, pr)) = self.by_addr.range_ending_at(lo) {
+                if !ok(pr.tag) || !self.same_segment(pa, lo) {
+                    break;
+                }
+                lo = pa;
+            }
+            if seen.contains(&lo) {
+                continue;
+            }
+            seen.push(lo);
+            // Its backed runs, left to right.
+            let mut a = lo;
+            while let Some(r) = self.by_addr.get(a).filter(|r| ok(r.tag)) {
+                for (pa, pl) in self.mapped_parts(a, r.len) {
+                    let joins = run
+                        .last()
+                        .is_some_and(|&(la, ll, _)| la + ll == pa && self.same_segment(la, pa));
+                    if !joins {
+                        consider(&run);
+                        run.clear();
+                    }
+                    run.push((pa, pl, r.tag));
+                }
+                if !self.same_segment(a, a + r.len) {
+                    break;
+                }
+                a += r.len;
+            }
+            consider(&run);
+            run.clear();
+        }
+        best.map(|b| (b.2, b.3))
+    }
+
+    /// Takes `[start, start+len)`, a place [`Heap::find_run`] returned,
+    /// for stream slot `slot`, whose stream already waits on the pending
+    /// groups found there: the pieces become `Dirty(slot)` (reusable by
+    /// that stream alone, which is now ordered after their earlier uses),
+    /// merge, and the range is taken. `None` (nothing changed) if the
+    /// place is no longer free and backed.
+    pub(crate) fn take_run(&mut self, start: u64, len: u64, slot: u16) -> Option<Taken> {
+        let first = self.by_addr.at_or_before(start).map_or(start, |(a, _)| a);
+        let mut covered = 0;
+        for (a, r) in self.by_addr.starting_in(first, start + len) {
+            if matches!(r.tag, Tag::Dirty(s) if s != slot) {
+                return None;
+            }
+            covered += (a + r.len).min(start + len).saturating_sub(a.max(start));
+        }
+        if covered != len || !self.fully_backed(start, len) {
+            return None;
+        }
+        self.retag(start, start + len, Tag::Dirty(slot));
+        let (raddr, r) = self.by_addr.at_or_before(start)?;
+        let rlen = r.len;
+        let ctx = StealCtx {
+            slot: Some(slot),
+            pending_ok: false,
+        };
+        self.take(raddr, rlen, start, len, ctx).ok()
+    }
+
+    // ---- allocation --------------------------------------------------------------
+
+    /// Takes `len` bytes (a multiple of 256) aligned to `align` for a stream
+    /// in slot `slot`. With `pending_ok`, pending memory may be used too: the
+    /// caller must then order its stream after the groups in
+    /// [`Taken::waits`]. Grows physical memory as needed. On failure nothing
+    /// changes, except that granules in [`Heap::take_quarantine`] may have
+    /// been aliased (they need an event all the same).
+    pub(crate) fn alloc(
+        &mut self,
+        len: u64,
+        align: u64,
+        slot: Option<u16>,
+        pending_ok: bool,
+    ) -> Result<Taken> {
+        debug_assert!(len % ALIGN == 0 && len > 0);
+        let mut candidates: Vec<(u64, u64, u64)> =
+            self.place(slot, len, align).into_iter().collect();
+        if pending_ok {
+            let tags: Vec<Tag> = self
+                .by_tag
+                .keys()
+                .copied()
+                .filter(|t| matches!(t, Tag::Pending(id) if !self.blocked.contains(id)))
+                .collect();
+            if let Some((rlen, raddr)) = tags
+                .into_iter()
+                .filter_map(|t| self.best_in(t, len, align))
+                .min()
+            {
+                candidates.push((rlen, raddr, align_up(raddr, align)));
+            }
+        }
+        if candidates.is_empty() {
+            let (rlen, raddr) = self.grow_segments(len, align)?;
+            candidates.push((rlen, raddr, align_up(raddr, align)));
+        }
+        let ctx = StealCtx { slot, pending_ok };
+        let mut last = None;
+        for (rlen, raddr, start) in candidates {
+            match self.take(raddr, rlen, start, len, ctx) {
+                Ok(t) => return Ok(t),
+                Err(e) if e.is_oom() => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.expect("at least one candidate was tried"))
+    }
+
+    /// Takes `len` bytes at `align` out of free range `(raddr, rlen)`.
+    fn take(
+        &mut self,
+        raddr: u64,
+        rlen: u64,
+        start: u64,
+        len: u64,
+        ctx: StealCtx,
+    ) -> Result<Taken> {
+        debug_assert!(start >= raddr && start + len <= raddr + rlen);
+        // Put the unused head and tail back first, so that idle granules in
+        // them can be stolen to back the taken part.
+        let r = self.split_free(raddr, rlen, start, len);
+        let aliased = match self.back(start, len, ctx) {
+            Ok(a) => a,
+            Err(e) => {
+                self.insert_free(start, len, r.tag);
+                return Err(e);
+            }
+        };
+        // A granule backed by an aliased chunk shares physical memory with
+        // old uses that only the requesting stream is ordered after: the free
+        // rest of that granule is for that stream alone.
+        if let (Some(slot), Physical::Vmm { base, .. }) = (ctx.slot, &self.phys) {
+            // Only the first and the last granule can have a free rest;
+            // the aliased granules lie inside the span, so the first one is
+            // aliased if it is the lowest aliased, the last if the highest.
+            let (first, last, _) = granule_span(*base, self.gran, start, len);
+            let head = aliased.map(|a| a.0).filter(|&g| g == first);
+            let tail = aliased
+                .map(|a| a.1)
+                .filter(|&g| g == last && Some(g) != head);
+            for g in [head, tail].into_iter().flatten() {
+                self.retag_granule(g, start, len, Tag::Dirty(slot));
+            }
+        }
+        self.allocated.insert(start, Allocated { len, owner: 0 });
+        self.allocated_bytes += len;
+        let waits = match r.tag {
+            Tag::Pending(id) => vec![id],
+            _ => Vec::new(),
+        };
+        let exclusive = r.tag != Tag::Clean || aliased.is_some();
+        Ok(Taken {
+            addr: start,
+            from: r.tag,
+            waits,
+            exclusive,
+        })
+    }
+
+    // ---- freeing and tags -----------------------------------------------------------
+
+    /// The length of the allocated range at `addr`, if any.
+    pub(crate) fn allocated_len(&self, addr: u64) -> Option<u64> {
+        self.allocated.get(&addr).map(|a| a.len)
+    }
+
+    /// Sets the owner word of the allocated range at `addr`, soon: the
+    /// write waits in a short log, made with the others when the log
+    /// fills, before any range leaves the map and before any word is read.
+    ///
+    /// A parked range taken back (the pool's usual reuse) was freed at
+    /// random some time ago, so its map entry is cold: written at once,
+    /// its misses (1.5 L2-sized misses per reuse in RMM's
+    /// random_allocations at 10^5) held up the allocation, and the
+    /// heap lock's release waited on them. Made in a pass, one after the
+    /// other, independent lookups overlap (see `free_many`).
+    #[inline]
+    pub(crate) fn set_owner(&mut self, addr: u64, owner: u64) {
+        debug_assert!(
+            self.allocated.contains_key(&addr),
+            "no allocated range at {addr:#x}"
+        );
+        self.owner_log.push((addr, owner));
+        if self.owner_log.len() >= OWNER_LOG {
+            self.apply_owners();
+        }
+    }
+
+    /// Sets the owner word of a range taken in this same critical section
+    /// at once (its entry was just written, so it is in cache; no log entry
+    /// can name it: none names a range that was not allocated).
+    #[inline]
+    pub(crate) fn set_taken_owner(&mut self, addr: u64, owner: u64) {
+        debug_assert!(
+            !self.owner_log.iter().any(|e| e.0 == addr),
+            "range {addr:#x} has a logged owner write"
+        );
+        Self::write_owner(&mut self.allocated, addr, owner);
+    }
+
+    /// Makes the logged owner-word writes, oldest first.
+    fn apply_owners(&mut self) {
+        for (addr, owner) in self.owner_log.drain(..) {
+            Self::write_owner(&mut self.allocated, addr, owner);
+        }
+    }
+
+    /// Writes the owner word of allocated range `addr` in `allocated`.
+    #[inline]
+    fn write_owner(allocated: &mut FxHashMap<u64, Allocated>, addr: u64, owner: u64) {
+        let a = allocated.get_mut(&addr);
+        debug_assert!(a.is_some(), "no allocated range at {addr:#x}");
+        if let Some(a) = a {
+            a.owner = owner;
+        }
+    }
+
+    /// The length and owner word of the allocated range at `addr`.
+    pub(crate) fn allocated_at(&mut self, addr: u64) -> Option<(u64, u64)> {
+        self.apply_owners();
+        self.allocated.get(&addr).map(|a| (a.len, a.owner))
+    }
+
+    /// Allocated ranges with a non-zero owner word: `(addr, len, owner)`.
+    pub(crate) fn owned(&mut self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        self.apply_owners();
+        self.allocated
+            .iter()
+            .filter(|(_, a)| a.owner != 0)
+            .map(|(&addr, a)| (addr, a.len, a.owner))
+    }
+
+    /// Whether `addr` lies in free memory of the heap.
+    pub(crate) fn is_free(&self, addr: u64) -> bool {
+        matches!(self.by_addr.at_or_before(addr), Some((a, r)) if addr < a + r.len)
+    }
+
+    /// Returns an allocated range with `tag`.
+    pub(crate) fn free(&mut self, addr: u64, tag: Tag) -> Result<u64> {
+        self.apply_owners();
+        let len = self
+            .allocated
+            .remove(&addr)
+            .map(|a| a.len)
+            .ok_or(Error::UnknownPointer {
+                ptr: addr,
+                device: self.dev,
+            })?;
+        self.allocated_bytes -= len;
+        self.insert_free(addr, len, tag);
+        self.drop_users(addr, len);
+        Ok(len)
+    }
+
+    /// Returns the allocated ranges at `addrs` (best ascending: see below)
+    /// with `tag`, as
+    /// [`Heap::free`] of each in turn would, in two passes: the allocated
+    /// map and the granules' users, then the free-range indexes. The first
+    /// pass's lookups (each a likely cache miss) are independent of one
+    /// another, and back to back the processor overlaps them; interleaved
+    /// with the merges they waited on each other's misses.
+    pub(crate) fn free_many(&mut self, addrs: &[u64], tag: Tag) {
+        self.apply_owners();
+        let mut lens = Vec::with_capacity(addrs.len());
+        for &addr in addrs {
+            let len = self
+                .allocated
+                .remove(&addr)
+                .expect("range is allocated")
+                .len;
+            self.allocated_bytes -= len;
+            self.drop_users(addr, len);
+            lens.push(len);
+        }
+        // Ranges that touch (often parked neighbours) go in as one run:
+        // the result is the same merged range, for one merge's index work.
+        let mut i = 0;
+        while i < addrs.len() {
+            let (start, mut end) = (addrs[i], addrs[i] + lens[i]);
+            i += 1;
+            while i < addrs.len()
+                && addrs[i] == end
+                && Self::same_segment_in(&self.phys, start, end)
+            {
+                end += lens[i];
+                i += 1;
+            }
+            self.insert_free(start, end - start, tag);
+        }
+    }
+
+    /// Retags every `Dirty(slot)` range as a new pending group; returns the
+    /// group id and its bytes, or `None` if the slot had nothing dirty.
+    pub(crate) fn flush_dirty(&mut self, slot: u16) -> Option<(u32, u64)> {
+        // Emptied dirty sets stay indexed (a busy stream fills them again).
+        if self.by_tag.get(&Tag::Dirty(slot))?.is_empty() {
+            return None;
+        }
+        // With every range stored: harvesting walks the group's ranges.
+        let set = self
+            .take_size_index(Tag::Dirty(slot))
+            .expect("looked up above");
+        let id = self.next_pending;
+        self.next_pending = self.next_pending.wrapping_add(1);
+        let bytes = set.bytes();
+        for (_, addr) in set.iter() {
+            self.by_addr.set_tag(addr, Tag::Pending(id));
+        }
+        self.by_tag.insert(Tag::Pending(id), set);
+        Some((id, bytes))
+    }
+
+    /// A new, empty pending group id (for ranges freed with `record_stream`).
+    pub(crate) fn new_pending_group(&mut self) -> u32 {
+        let id = self.next_pending;
+        self.next_pending = self.next_pending.wrapping_add(1);
+        id
+    }
+
+    /// Marks every range of pending group `id` clean (its events completed).
+    pub(crate) fn complete_pending(&mut self, id: u32) {
+        let Some(set) = self.by_tag.remove(&Tag::Pending(id)) else {
+            return;
+        };
+        for (_, addr) in set.iter() {
+            let r = self.by_addr.remove(addr).expect("indexed");
+            self.insert_free(addr, r.len, Tag::Clean);
+        }
+    }
+
+    /// Gives everything back to the device (pool teardown). Allocated ranges
+    /// must be gone.
+    pub(crate) fn teardown(&mut self) {
+        let mut q = GranuleRuns::new();
+        if let Physical::Vmm { quarantine, .. } = &self.phys {
+            for g in quarantine.iter() {
+                push_run(&mut q, g, 1);
+            }
+        }
+        self.release_quarantine(&q);
+        let ranges: Vec<(u64, u64)> = self.allocated_ranges().collect();
+        for (a, _) in ranges {
+            let _ = self.free(a, Tag::Clean);
+        }
+        let pend: Vec<Tag> = self
+            .by_tag
+            .keys()
+            .copied()
+            .filter(|t| *t != Tag::Clean)
+            .collect();
+        for t in pend {
+            if let Some(set) = self.take_size_index(t) {
+                for (_, addr) in set.iter() {
+                    let r = self.by_addr.remove(addr).expect("indexed");
+                    self.insert_free(addr, r.len, Tag::Clean);
+                }
+            }
+        }
+        self.release_cached();
+        if let Physical::Vmm { base, len, .. } = self.phys {
+            if let Err(e) = self.backend.free_va(self.dev, DevicePtr(base), len) {
+                tracing::warn!(device = self.dev, "cuMemAddressFree failed: {e}");
+            }
+        }
+    }
+}
