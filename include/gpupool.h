@@ -284,8 +284,10 @@ int gpupool_stream_release(int device, void *stream);
  * counters `num_allocs`, `num_frees`, `num_device_allocs`, `num_ooms`,
  * ...). The byte names mean what PyTorch means: requested sizes, their
  * rounded sizes, those plus freed blocks not yet reusable, device memory
- * held. See the buffer protocol in the header's preamble, and
- * `gpupool_memory_stats_json` for PyTorch's flat layout.
+ * held. `plan` holds the learned steps' figures (`PlanStats`: `plans`,
+ * `served`, `misses`, `departures`, `arena_bytes`, ...; see
+ * `gpupool_mark_step`). See the buffer protocol in the header's preamble,
+ * and `gpupool_memory_stats_json` for PyTorch's flat layout.
  *
  * # Safety
  * `buf` is NULL or valid for writes of `len` bytes.
@@ -368,6 +370,15 @@ int gpupool_snapshot_pickle(int device, const char *path);
  * snapshots (`history`, and `device_traces` of the pickle).
  */
 int gpupool_record_history(int device, int enabled);
+
+/**
+ * Marks a step boundary on every device in use (see
+ * `DevicePool::mark_step`): call it once per training step or served
+ * batch, at the same point of each. Large requests that repeat the
+ * recorded step are then served from a plan, with no lock shared between
+ * streams and no driver call.
+ */
+int gpupool_mark_step(void);
 
 /**
  * Gives cached device memory of every device back to the driver. Unlike

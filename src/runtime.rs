@@ -132,6 +132,9 @@ pub struct Runtime {
     peer_access: bool,
     peers: Mutex<PeerMatrix>,
     maintenance: Mutex<maint::Maintenance>,
+    /// Set by the first [`Runtime::mark_step`]: a pool built later (on its
+    /// first use, inside a step) starts recording at once.
+    steps_marked: std::sync::atomic::AtomicBool,
 }
 
 impl Runtime {
@@ -176,6 +179,7 @@ impl Runtime {
             peer_access: peers,
             peers: Mutex::new(matrix),
             maintenance: Mutex::new(maint::Maintenance::default()),
+            steps_marked: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -193,6 +197,9 @@ impl Runtime {
         if self.peer_access {
             let row = PeerMatrix::enable_row(&*self.backend, &pool, self.pools.len());
             self.peers.lock().set_row(dev, row);
+        }
+        if self.steps_marked.load(std::sync::atomic::Ordering::Relaxed) {
+            pool.mark_step()?;
         }
         if self.pools[dev].set(pool).is_err() {
             unreachable!("pools are set under the building lock");
@@ -309,6 +316,17 @@ impl Runtime {
             p.flush_thread_cache();
         }
         Ok(per_device(&pools, |p| p.trim())?.into_iter().sum())
+    }
+
+    /// Marks a step boundary on every pool built so far (see
+    /// [`DevicePool::mark_step`]).
+    pub fn mark_step(&self) -> Result<()> {
+        self.steps_marked
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        for p in self.active_devices() {
+            p.mark_step()?;
+        }
+        Ok(())
     }
 
     /// Stops the maintenance threads and shuts every pool down: later

@@ -188,3 +188,60 @@ fn cli_replay_json_has_driver_figures_and_follows_cost_keys() {
         assert!(!path.exists(), "no calibration file without a device");
     }
 }
+
+/// Every trace we have, each pass marked as a step: the second pass is
+/// served from the plan of the first with no driver call at all, and peak
+/// reserved stays within 3% of peak live (on traces of more than a few
+/// granules: iree_mobilebert's 1.6 MB live cannot go below two 2 MiB
+/// granules). Served dynamically instead, the same second pass remaps.
+#[test]
+fn learned_steps_repeat_every_trace_with_no_driver_call() {
+    let Some(dir) = traces() else { return };
+    let o = ReplayOptions {
+        repeats: 1,
+        peers: false,
+        ..Default::default()
+    };
+    let mut files: Vec<PathBuf> = Vec::new();
+    for sub in ["pytorch", "lifetimes"] {
+        for e in std::fs::read_dir(dir.join(sub)).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_file() {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    let mut dynamic_warm_maps = 0;
+    for f in &files {
+        for r in replay_file(f, &o).unwrap() {
+            let plan = r.plan.expect("passes are marked as steps");
+            assert!(
+                plan.plans >= 1 && plan.departures == 0,
+                "{}: {plan:?}",
+                r.name
+            );
+            assert!(
+                r.driver_calls.warm.is_empty(),
+                "{}: warm pass made driver calls {:?}",
+                r.name,
+                r.driver_calls.warm
+            );
+            assert_eq!(r.reserved_growth_on_repeat, 0, "{}", r.name);
+            if r.peak_live_bytes > 64 << 21 {
+                assert!(r.overhead <= 0.03, "{}: {:.2}%", r.name, r.overhead * 100.0);
+            }
+            assert_eq!(r.failed_allocs, 0);
+        }
+        if f.ends_with("lm-medium-ctx1024-infer.pickle") {
+            let d = ReplayOptions {
+                learn_steps: false,
+                ..o.clone()
+            };
+            let r = &replay_file(f, &d).unwrap()[0];
+            assert!(r.plan.is_none());
+            dynamic_warm_maps = r.maps[1];
+        }
+    }
+    assert!(dynamic_warm_maps > 0, "the dynamic path remaps on repeat");
+}

@@ -56,6 +56,7 @@ __all__ = [
     "record_history",
     "dump_snapshot",
     "trim",
+    "mark_step",
     "on_oom",
     "version",
     "abi_version",
@@ -235,6 +236,16 @@ def trim() -> None:
     """Gives cached device memory of every device back (waits for pending
     frees; PyTorch's ``empty_cache``)."""
     _check(_lib.lib().gpupool_trim())
+
+
+def mark_step() -> None:
+    """Marks a step boundary on every device in use: call it once per
+    training step (or served batch), at the same point of each. From the
+    second mark on, large requests that repeat the recorded step are served
+    from a plan made for it: no lock shared between streams, no driver
+    call, reserved memory close to the step's peak of live bytes. A step
+    that departs from the plan is served as usual and learned anew."""
+    _check(_lib.lib().gpupool_mark_step())
 
 
 # ---- statistics -------------------------------------------------------------------

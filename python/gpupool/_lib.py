@@ -106,6 +106,7 @@ def lib(path: Optional[str] = None) -> ctypes.CDLL:
             "gpupool_snapshot_pickle": ([c_int, cp], c_int),
             "gpupool_record_history": ([c_int, c_int], c_int),
             "gpupool_trim": ([], c_int),
+            "gpupool_mark_step": ([], c_int),
             "gpupool_last_error": ([], cp),
             "gpupool_needed_len": ([], c_size),
             "gpupool_status_name": ([c_int], cp),

@@ -317,3 +317,31 @@ def test_threads_allocate_at_once(pool):
     assert errors == []
     for d in (0, 1):
         assert gpupool.memory_stats(d)["requested_bytes.all.current"] == 0
+
+
+def test_mark_step_serves_a_repeating_step_from_its_plan(pool):
+    """Three marked steps of the same large requests: the second and third
+    are served from the plan of the first, at the same addresses, with no
+    new device memory."""
+
+    def step():
+        a = gpupool.alloc(8 * MIB)
+        b = gpupool.alloc(3 * MIB)
+        gpupool.free(b)
+        c = gpupool.alloc(5 * MIB)
+        gpupool.free(a)
+        gpupool.free(c)
+        return (a, b, c)
+
+    gpupool.mark_step()
+    step()
+    gpupool.mark_step()
+    second = step()
+    allocs = gpupool.stats()["num_device_allocs"]
+    gpupool.mark_step()
+    third = step()
+    assert third == second
+    assert gpupool.stats()["num_device_allocs"] == allocs
+    plan = gpupool.stats()["plan"]
+    assert plan["plans"] == 1 and plan["served"] == 6, plan
+    assert plan["departures"] == 0 and plan["misses"] == 0, plan

@@ -54,6 +54,10 @@ enum Command {
         /// Timed repetitions per trace (the fastest counts).
         #[arg(long, default_value_t = 3)]
         repeats: usize,
+        /// Serve both passes dynamically: do not mark each pass as a step
+        /// (no learned plan for the second pass).
+        #[arg(long)]
+        dynamic: bool,
     },
     /// Micro-benchmarks, side by side with baselines in the same run.
     Bench {
@@ -246,6 +250,7 @@ fn replay(
     json: bool,
     plot: Option<&std::path::Path>,
     repeats: usize,
+    learn_steps: bool,
 ) -> Result<()> {
     use gpupool::trace::plot::{line_chart, Series};
     use gpupool::trace::replay::{replay_file, ReplayOptions};
@@ -255,6 +260,7 @@ fn replay(
         samples: if plot.is_some() { 2000 } else { 0 },
         repeats,
         peers: true,
+        learn_steps,
     };
     let mut reports = Vec::new();
     for f in files {
@@ -472,7 +478,8 @@ fn run() -> Result<()> {
             json,
             plot,
             repeats,
-        } => replay(&files, json, plot.as_deref(), repeats)?,
+            dynamic,
+        } => replay(&files, json, plot.as_deref(), repeats, !dynamic)?,
         Command::Stress(args) => stress(&args)?,
         Command::Bench {
             json,

@@ -84,6 +84,7 @@ mod limits;
 mod snapshot;
 
 // gpupool_trim.
+mod steps;
 mod trim;
 
 // gpupool_last_error, gpupool_needed_len, gpupool_status_name,
@@ -108,6 +109,7 @@ pub use status::{
     gpupool_last_error, gpupool_needed_len, gpupool_selftest_panic, gpupool_status_name,
     gpupool_version, GpupoolStatus,
 };
+pub use steps::gpupool_mark_step;
 pub use streams::{gpupool_stream_create, gpupool_stream_destroy, gpupool_stream_release};
 pub use torch::{gpupool_torch_free, gpupool_torch_malloc, gpupool_torch_record_stream};
 pub use trim::gpupool_trim;

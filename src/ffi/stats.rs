@@ -14,8 +14,10 @@ use std::ffi::{c_char, c_int};
 /// counters `num_allocs`, `num_frees`, `num_device_allocs`, `num_ooms`,
 /// ...). The byte names mean what PyTorch means: requested sizes, their
 /// rounded sizes, those plus freed blocks not yet reusable, device memory
-/// held. See the buffer protocol in the header's preamble, and
-/// `gpupool_memory_stats_json` for PyTorch's flat layout.
+/// held. `plan` holds the learned steps' figures (`PlanStats`: `plans`,
+/// `served`, `misses`, `departures`, `arena_bytes`, ...; see
+/// `gpupool_mark_step`). See the buffer protocol in the header's preamble,
+/// and `gpupool_memory_stats_json` for PyTorch's flat layout.
 ///
 /// # Safety
 /// `buf` is NULL or valid for writes of `len` bytes.
@@ -26,9 +28,13 @@ pub unsafe extern "C" fn gpupool_stats_json(device: c_int, buf: *mut c_char, len
             return Err(Fail::null("buf"));
         }
         let json = with_state(|st| {
-            let stats = st.pool(device)?.stats();
-            serde_json::to_string(&stats)
-                .map_err(|e| Fail::new(GpupoolStatus::Io, format!("serializing stats: {e}")))
+            let pool = st.pool(device)?;
+            let ser = |e: serde_json::Error| {
+                Fail::new(GpupoolStatus::Io, format!("serializing stats: {e}"))
+            };
+            let mut v = serde_json::to_value(pool.stats()).map_err(ser)?;
+            v["plan"] = serde_json::to_value(pool.plan_stats()).map_err(ser)?;
+            serde_json::to_string(&v).map_err(ser)
         })?;
         // SAFETY: `buf` is NULL or valid for `len` bytes (caller's contract).
         unsafe { write_text(buf, len, &json) }

@@ -143,7 +143,10 @@ impl PoolShared {
         let magazines = self.counters.magazine_bytes();
         let live_slots =
             h.slab_bytes - c.free_bytes - c.pending_bytes - h.slab_tail_bytes - magazines;
-        let large_live = f.allocated - h.slab_bytes - h.exact.bytes - mv_regions;
+        // Arenas of learned steps are heap ranges holding planned blocks.
+        let plan = self.plans.stats();
+        let plan_fenced = self.plans.fenced_bytes();
+        let large_live = f.allocated - h.slab_bytes - h.exact.bytes - mv_regions - plan.arena_bytes;
         // Parked ranges keep their last owner word: the cache says they
         // are not live.
         let parked_addrs: HashSet<u64> = h.exact.addrs().collect();
@@ -161,9 +164,10 @@ impl PoolShared {
                 "live large blocks span {large_ranges} B, the heap holds {large_live} B for them"
             ));
         }
-        if allocated != large_live + live_slots + mv_live {
+        if allocated != large_live + live_slots + mv_live + plan.live_bytes {
             return Err(format!(
-                "allocated counter {allocated} != live large ranges {large_live} + live slots {live_slots} + live movable {mv_live}"
+                "allocated counter {allocated} != live large ranges {large_live} + live slots {live_slots} + live movable {mv_live} + live planned {}",
+                plan.live_bytes
             ));
         }
         if requested > allocated {
@@ -175,8 +179,15 @@ impl PoolShared {
             return Err("pending slot byte counter drifted".into());
         }
         let stats = self.stats();
-        let cached =
-            f.free_clean + f.free_dirty + f.spare + c.free_bytes + parked + magazines + mv_free;
+        let plan_free = plan.arena_bytes - plan.live_bytes - plan_fenced;
+        let cached = f.free_clean
+            + f.free_dirty
+            + f.spare
+            + c.free_bytes
+            + parked
+            + magazines
+            + mv_free
+            + plan_free;
         let sum = stats.allocated_bytes.current
             + stats.pending_bytes.current
             + cached

@@ -35,6 +35,7 @@ mod maintain;
 mod orphans;
 mod peer;
 mod pending;
+mod plan;
 mod reclaim;
 mod release;
 mod size_class;
@@ -50,6 +51,7 @@ pub(crate) mod sync;
 pub use block::Block;
 pub use limits::OomCallback;
 pub use maintain::MaintainReport;
+pub use plan::PlanStats;
 pub use size_class::{SizeClasses, ALIGN};
 pub use snapshot::{BlockInfo, BlockState, HistoryAction, HistoryEvent, SegmentInfo, Snapshot};
 pub use stats::{PoolStats, Stat};
@@ -136,6 +138,8 @@ pub(crate) struct PoolShared {
     /// The memory limit (shared with the heap) and the out-of-memory
     /// observer (`limits.rs`).
     limits: limits::PoolLimits,
+    /// Learned steps (`plan/`): per-stream plans and their arenas.
+    plans: plan::Plans,
 }
 
 thread_local! {
@@ -247,6 +251,7 @@ impl DevicePool {
             maint_gate: Mutex::new(()),
             movable: crate::compact::Arena::new(gran.max(2 << 20).next_power_of_two()),
             limits: pool_limits,
+            plans: plan::Plans::new(),
             backend,
             cfg,
             info,
@@ -410,6 +415,25 @@ impl DevicePool {
         self.shared.history()
     }
 
+    /// Marks a step boundary: call it once per training step (or served
+    /// batch), at the same point of each. From the second mark on, each
+    /// stream's large requests that repeat the recorded step are served
+    /// from a placement planned for that step's lifetimes, in one arena:
+    /// no heap lock and no driver call per request, reserved memory close
+    /// to the step's peak of live bytes. A step that departs from its plan
+    /// is served dynamically from that request on, and recorded anew. See
+    /// `src/pool/plan/` for the rules.
+    pub fn mark_step(&self) -> Result<()> {
+        self.shared.check_live()?;
+        self.shared.mark_step();
+        Ok(())
+    }
+
+    /// Figures of the learned steps ([`DevicePool::mark_step`]).
+    pub fn plan_stats(&self) -> PlanStats {
+        self.shared.plans.stats()
+    }
+
     /// Marks the pool shut down: later calls fail with [`Error::Shutdown`].
     pub fn shutdown(&self) {
         self.shared.shut.store(true, Relaxed);
@@ -510,7 +534,20 @@ impl PoolShared {
                     requested: size,
                     raw,
                 };
-                let (addr, len) = self.alloc_large(len, live, stream)?;
+                let planned = match slot {
+                    Some(s) if self.plans.enabled() => self.plan_serve(s, len, live),
+                    _ => plan::Serve::Dynamic { record: false },
+                };
+                let (addr, len) = match planned {
+                    plan::Serve::Planned(addr) => (addr, len),
+                    plan::Serve::Dynamic { record } => {
+                        let (addr, got) = self.alloc_large(len, live, stream)?;
+                        if let (true, Some(s)) = (record, slot) {
+                            self.plan_note_alloc(s, addr, len);
+                        }
+                        (addr, got)
+                    }
+                };
                 (DevicePtr(addr), Kind::Large { len }, len)
             }
         };
@@ -583,6 +620,7 @@ impl PoolShared {
     /// live is reusable. Counts the wait and its host syncs.
     fn wait_before_oom(&self) {
         let before = HOST_SYNCS.with(|c| c.get());
+        self.plan_release_idle();
         self.flush_all_streams();
         if let Err(e) = self.sync_pending() {
             tracing::warn!(device = self.dev, "waiting before out of memory: {e}");
@@ -1078,6 +1116,9 @@ impl PoolShared {
             Kind::Large { len } => {
                 self.counters.on_free(requested, len);
                 let addr = ptr.addr();
+                if self.plans.enabled() && self.plan_free(addr, stream, extra) {
+                    return;
+                }
                 let mut h = self.heap.lock();
                 match slot {
                     // The owner word stays: parking is authoritative for
@@ -1205,6 +1246,25 @@ impl PoolShared {
             self.free_block(ptr, kind, requested, stream, &extra);
             return Ok(());
         }
+        if self.plans.enabled() {
+            if let Some(l) = self.plans.live_at(addr) {
+                if !l.raw {
+                    return Err(Error::InvalidArgument(format!(
+                        "{addr:#x} is a block, not a raw allocation"
+                    )));
+                }
+                let extra = self.take_recorded_streams(addr);
+                self.free_block(ptr, Kind::Large { len: l.len }, l.requested, stream, &extra);
+                return Ok(());
+            }
+            if self.plans.in_arena(addr) {
+                // Inside a learned step's arena and not live: freed already.
+                return Err(Error::DoubleFree {
+                    ptr: addr,
+                    device: self.dev,
+                });
+            }
+        }
         let (requested, len) = {
             let mut h = self.heap.lock();
             let requested = match LargeLive::at(&mut h.heap, addr) {
@@ -1271,6 +1331,11 @@ impl PoolShared {
                 .is_raw_live(slot.idx)
                 .then(|| self.slabs.requested(slot.idx));
         }
+        if self.plans.enabled() {
+            if let Some(l) = self.plans.live_at(addr) {
+                return l.raw.then_some(l.requested);
+            }
+        }
         LargeLive::at(&mut self.heap.lock_quiet().heap, addr)
             .filter(|l| l.raw)
             .map(|l| l.requested)
@@ -1307,7 +1372,8 @@ impl PoolShared {
         };
         let pending = heap_pending
             + self.counters.pending_slot_bytes.load(Relaxed)
-            + self.movable.held_bytes();
+            + self.movable.held_bytes()
+            + self.plans.fenced_bytes();
         let cached = reserved.saturating_sub(allocated + pending + overhead);
         let figures = stats::Figures {
             device: self.dev,
@@ -1366,6 +1432,7 @@ impl PoolShared {
         }
         self.movable.teardown(self);
         let _ = self.sync_pending();
+        self.plan_teardown();
         let recorded = std::mem::take(&mut *self.recorded_streams.lock());
         for (_, t) in std::mem::take(&mut *self.tombs.lock()) {
             if let Some((w, _)) = t.waits {

@@ -281,6 +281,7 @@ impl PoolShared {
         // the flush below would leave pending memory behind.
         let _gate = self.maint_gate.lock();
         super::magazine::flush_for(self);
+        self.plan_release_idle();
         self.flush_all_streams();
         self.sync_pending()?;
         self.movable.trim(self);
@@ -400,6 +401,7 @@ impl PoolShared {
         if self.is_torn_down() {
             return;
         }
+        self.plan_retire_slot(slot, core);
         self.flush_slot(slot as usize, core);
         if holders > 0 {
             let waits = self.record_events(core, &[]);

@@ -81,6 +81,13 @@ pub struct ReplayReport {
     pub driver_ms: ColdWarm<f64>,
     /// Allocations the pool refused (out of memory); should be 0.
     pub failed_allocs: u64,
+    /// Learned steps: each pass is marked as a step
+    /// ([`DevicePool::mark_step`]), so the second pass is served from the
+    /// plan of the first; the plan's arena is set up at the mark between
+    /// them and its driver calls count with the cold pass. `None` when
+    /// [`ReplayOptions::learn_steps`] is off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plan: Option<crate::pool::PlanStats>,
     /// Samples of (event index, live bytes, reserved bytes) for plotting;
     /// empty unless asked for.
     #[serde(skip)]
@@ -104,6 +111,8 @@ pub struct ReplayOptions {
     pub repeats: usize,
     /// Replay through the peers too (see [`ReplayReport::peers`]).
     pub peers: bool,
+    /// Mark each pass as a step (see [`ReplayReport::plan`]).
+    pub learn_steps: bool,
 }
 
 impl Default for ReplayOptions {
@@ -113,6 +122,7 @@ impl Default for ReplayOptions {
             samples: 0,
             repeats: 3,
             peers: true,
+            learn_steps: true,
         }
     }
 }
@@ -203,7 +213,7 @@ fn replay_once(trace: &Trace, opts: &ReplayOptions, samples: usize) -> Result<Re
         .iter()
         .map(|e| stream_of[&e.stream()])
         .collect();
-    run_events(trace, pool, &streams, &ev_stream, samples)
+    run_events(trace, pool, &streams, &ev_stream, samples, opts.learn_steps)
 }
 
 /// The outcome of one pass over the events.
@@ -271,15 +281,26 @@ fn run_events(
     streams: &[Stream],
     ev_stream: &[usize],
     samples: usize,
+    learn_steps: bool,
 ) -> Result<ReplayReport> {
     let counters = || pool.backend().counters();
+    let mark = || {
+        if learn_steps {
+            pool.mark_step()
+        } else {
+            Ok(())
+        }
+    };
+    mark()?;
     let c0 = counters();
     let cold = one_pass(trace, pool, streams, ev_stream, samples)?;
+    mark()?;
     let c1 = counters();
     let peak_reserved = pool.stats().reserved_bytes.peak;
     pool.reset_peak_stats();
     let warm = one_pass(trace, pool, streams, ev_stream, 0)?;
     let warm_peak_reserved = pool.stats().reserved_bytes.peak;
+    let plan = learn_steps.then(|| pool.plan_stats());
     let c2 = counters();
     let (cold_calls, warm_calls) = (c1.since(&c0), c2.since(&c1));
     let costs = &pool.config().driver_costs;
@@ -324,6 +345,7 @@ fn run_events(
             warm: costs.millis(&warm_calls),
         },
         samples: cold.samples,
+        plan,
         peers: None,
     })
 }

@@ -1,0 +1,636 @@
+//! Learned steps: a stream's repeating sequence of large requests served
+//! from a placement planned offline, with no heap lock and no driver call.
+//!
+//! Training loops and servers repeat the same requests every step. The
+//! caller marks step boundaries ([`crate::DevicePool::mark_step`]); each
+//! stream with a slot then goes through:
+//!
+//! ```text
+//!  Off ──mark──► Recording ──mark──► Following ──mark (step followed)──► Following
+//!                   ▲   (plan built,      │
+//!                   │    arena allocated) │ mark (step departed from the plan)
+//!                   └─────────────────────┘
+//! ```
+//!
+//! *Recording* serves every request dynamically and logs each large
+//! request's rounded length and lifetime on the stream's own clock. At the
+//! next mark the blocks allocated and freed within the step are placed by
+//! [`placement::place`] into one *arena*, allocated from the heap like one
+//! large block. *Following* serves the k-th large request of each step at
+//! its planned offset when its length is the recorded one; the first
+//! request that differs ends following for the rest of the step (the
+//! dynamic path serves it and the rest), and the next mark records anew.
+//! Blocks that outlive the step are served dynamically in every step.
+//!
+//! Invariants:
+//! 1. An arena is one allocated heap range (owner word 0) that no other
+//!    block overlaps; planned blocks are sub-ranges of it.
+//! 2. Live and fenced sub-ranges of an arena never overlap one another, and
+//!    a planned block is handed out only where it overlaps neither (so a
+//!    step that frees later than planned gets dynamic memory, not memory
+//!    still in use).
+//! 3. A sub-range freed on the arena's stream with no other users is
+//!    reusable by that stream at once (stream order); freed otherwise, it is
+//!    fenced behind events of its users until they complete (queried, never
+//!    waited on by the host).
+//! 4. An arena returns to the heap only with no live and no fenced
+//!    sub-range: as `Dirty(slot)` while its stream lives, as a pending group
+//!    behind the stream's last event once the stream retired (an orphan).
+//! 5. Lock order: a slot's plan, then the heap. Nothing takes a slot's plan
+//!    while holding the heap mutex, and the arena is allocated with no plan
+//!    lock held (allocation may reclaim, which visits every plan).
+
+mod placement;
+
+use super::heap::Tag;
+use super::pending::{Pending, Waits};
+use super::stream::STREAM_SLOTS;
+use super::{LargeLive, PoolShared, Stream, StreamCore};
+use parking_lot::{Mutex, RwLock};
+use placement::Life;
+use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+/// The index's owner of an arena whose stream retired.
+const ORPHAN: u16 = u16::MAX;
+
+/// Recordings longer than this many large requests are dropped (no plan).
+const MAX_RECORDED: usize = 1 << 18;
+
+/// Figures of the learned steps of one device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PlanStats {
+    /// Plans built (one per stream per recorded step).
+    pub plans: u64,
+    /// Large requests served from a plan.
+    pub served: u64,
+    /// Planned requests served dynamically because their planned range
+    /// was still in use (a block freed later than in the recorded step).
+    pub misses: u64,
+    /// Steps that departed from their plan (a request of another length).
+    pub departures: u64,
+    /// Bytes of arenas held now.
+    pub arena_bytes: u64,
+    /// Bytes of live planned blocks now.
+    pub live_bytes: u64,
+    /// The last plan's arena length: its ratio to `last_peak_live_bytes`
+    /// is the plan's overhead.
+    pub last_arena_bytes: u64,
+    /// The peak of the live bytes of the last planned step (no placement
+    /// needs less).
+    pub last_peak_live_bytes: u64,
+}
+
+/// The learned-step state of one device.
+#[derive(Debug)]
+pub(crate) struct Plans {
+    /// Set by the first mark: until then no large call looks here.
+    on: AtomicBool,
+    slots: Box<[Mutex<SlotPlan>]>,
+    /// Every arena: base -> (len, owner slot or [`ORPHAN`]), for frees.
+    index: RwLock<BTreeMap<u64, (u64, u16)>>,
+    orphans: Mutex<Vec<Arena>>,
+    plans: AtomicU64,
+    served: AtomicU64,
+    misses: AtomicU64,
+    departures: AtomicU64,
+    arena_bytes: AtomicU64,
+    live_bytes: AtomicU64,
+    fenced_bytes: AtomicU64,
+    last_arena: AtomicU64,
+    last_peak: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct SlotPlan {
+    state: State,
+    /// The following arena (named by `Follow::base`) and retiring ones.
+    arenas: Vec<Arena>,
+}
+
+#[derive(Debug, Default)]
+enum State {
+    #[default]
+    Off,
+    Recording(Recorder),
+    Following(Follow),
+}
+
+#[derive(Debug, Default)]
+struct Recorder {
+    lives: Vec<Life>,
+    /// Address of a block allocated in the step and not yet freed -> its life.
+    open: FxHashMap<u64, u32>,
+    clock: u32,
+}
+
+#[derive(Debug)]
+struct Follow {
+    lens: Vec<u64>,
+    /// Planned offset of each request; `None` for blocks outliving the step.
+    offsets: Vec<Option<u64>>,
+    next: usize,
+    departed: bool,
+    base: u64,
+}
+
+#[derive(Debug)]
+struct Arena {
+    base: u64,
+    len: u64,
+    live: BTreeMap<u64, Live>,
+    /// Sub-ranges freed with other users: `(addr, len, their events)`.
+    fenced: Vec<(u64, u64, Waits)>,
+    /// Events an orphan's freed memory waits for (its stream's last work).
+    tomb: Waits,
+    retiring: bool,
+}
+
+/// A live planned block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Live {
+    pub len: u64,
+    pub requested: u64,
+    pub raw: bool,
+}
+
+/// What the plan says of a large request.
+pub(crate) enum Serve {
+    /// Served at this address.
+    Planned(u64),
+    /// Serve it dynamically; `record`: tell [`PoolShared::plan_note_alloc`].
+    Dynamic { record: bool },
+}
+
+impl Arena {
+    fn new(base: u64, len: u64) -> Arena {
+        Arena {
+            base,
+            len,
+            live: BTreeMap::new(),
+            fenced: Vec::new(),
+            tomb: Waits::default(),
+            retiring: false,
+        }
+    }
+
+    fn holds(&self, addr: u64) -> bool {
+        (self.base..self.base + self.len).contains(&addr)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.live.is_empty() && self.fenced.is_empty()
+    }
+
+    /// Whether `[addr, addr + len)` overlaps a live block (live blocks are
+    /// disjoint: only the last one starting below the end can reach it).
+    fn overlaps_live(&self, addr: u64, len: u64) -> bool {
+        self.live
+            .range(..addr + len)
+            .next_back()
+            .is_some_and(|(&a, l)| a + l.len > addr)
+    }
+}
+
+impl Plans {
+    pub(crate) fn new() -> Plans {
+        Plans {
+            on: AtomicBool::new(false),
+            slots: (0..STREAM_SLOTS).map(|_| Mutex::default()).collect(),
+            index: RwLock::new(BTreeMap::new()),
+            orphans: Mutex::new(Vec::new()),
+            plans: AtomicU64::new(0),
+            served: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            departures: AtomicU64::new(0),
+            arena_bytes: AtomicU64::new(0),
+            live_bytes: AtomicU64::new(0),
+            fenced_bytes: AtomicU64::new(0),
+            last_arena: AtomicU64::new(0),
+            last_peak: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether any step was marked (one relaxed load on the large path).
+    #[inline]
+    pub(crate) fn enabled(&self) -> bool {
+        self.on.load(Relaxed)
+    }
+
+    pub(crate) fn stats(&self) -> PlanStats {
+        PlanStats {
+            plans: self.plans.load(Relaxed),
+            served: self.served.load(Relaxed),
+            misses: self.misses.load(Relaxed),
+            departures: self.departures.load(Relaxed),
+            arena_bytes: self.arena_bytes.load(Relaxed),
+            live_bytes: self.live_bytes.load(Relaxed),
+            last_arena_bytes: self.last_arena.load(Relaxed),
+            last_peak_live_bytes: self.last_peak.load(Relaxed),
+        }
+    }
+
+    /// Bytes of fenced sub-ranges (freed, waiting on other streams).
+    pub(crate) fn fenced_bytes(&self) -> u64 {
+        self.fenced_bytes.load(Relaxed)
+    }
+
+    /// The owner of the arena holding `addr`, if any.
+    fn owner_of(&self, addr: u64) -> Option<u16> {
+        let idx = self.index.read();
+        idx.range(..=addr)
+            .next_back()
+            .filter(|(&b, &(l, _))| addr < b + l)
+            .map(|(_, &(_, o))| o)
+    }
+
+    /// The live planned block at `addr` (raw frees and `raw_size`).
+    pub(crate) fn live_at(&self, addr: u64) -> Option<Live> {
+        let find = |arenas: &[Arena]| {
+            arenas
+                .iter()
+                .find(|a| a.holds(addr))
+                .and_then(|a| a.live.get(&addr).copied())
+        };
+        match self.owner_of(addr)? {
+            ORPHAN => find(&self.orphans.lock()),
+            s => find(&self.slots[s as usize].lock().arenas),
+        }
+    }
+
+    /// Whether `addr` lies in an arena (a planned block freed already, or
+    /// inside one).
+    pub(crate) fn in_arena(&self, addr: u64) -> bool {
+        self.owner_of(addr).is_some()
+    }
+}
+
+impl PoolShared {
+    /// The plan's answer for a large request of rounded `len` on `slot`.
+    pub(super) fn plan_serve(&self, slot: u16, len: u64, live: LargeLive) -> Serve {
+        let mut p = self.plans.slots[slot as usize].lock();
+        let SlotPlan { state, arenas } = &mut *p;
+        let f = match state {
+            State::Off => return Serve::Dynamic { record: false },
+            State::Recording(_) => return Serve::Dynamic { record: true },
+            State::Following(f) => f,
+        };
+        if f.departed {
+            return Serve::Dynamic { record: false };
+        }
+        let k = f.next;
+        f.next += 1;
+        if f.lens.get(k) != Some(&len) {
+            f.departed = true;
+            self.plans.departures.fetch_add(1, Relaxed);
+            return Serve::Dynamic { record: false };
+        }
+        let Some(off) = f.offsets[k] else {
+            return Serve::Dynamic { record: false };
+        };
+        let Some(arena) = arenas.iter_mut().find(|a| a.base == f.base) else {
+            return Serve::Dynamic { record: false };
+        };
+        let addr = arena.base + off;
+        if arena.overlaps_live(addr, len) || self.fence_blocks(arena, addr, len) {
+            self.plans.misses.fetch_add(1, Relaxed);
+            return Serve::Dynamic { record: false };
+        }
+        arena.live.insert(
+            addr,
+            Live {
+                len,
+                requested: live.requested,
+                raw: live.raw,
+            },
+        );
+        self.plans.served.fetch_add(1, Relaxed);
+        self.plans.live_bytes.fetch_add(len, Relaxed);
+        Serve::Planned(addr)
+    }
+
+    /// Whether a fenced sub-range whose events have not completed overlaps
+    /// `[addr, addr + len)`; completed fences in the way are lifted.
+    fn fence_blocks(&self, arena: &mut Arena, addr: u64, len: u64) -> bool {
+        let mut blocked = false;
+        let mut i = 0;
+        while i < arena.fenced.len() {
+            let (a, l, _) = &arena.fenced[i];
+            if *a < addr + len && addr < a + l {
+                if self.waits_done(&arena.fenced[i].2) {
+                    let (_, l, w) = arena.fenced.swap_remove(i);
+                    self.plans.fenced_bytes.fetch_sub(l, Relaxed);
+                    self.recycle_events(w);
+                    continue;
+                }
+                blocked = true;
+            }
+            i += 1;
+        }
+        blocked
+    }
+
+    /// Lifts every completed fence of `arena`.
+    fn lift_fences(&self, arena: &mut Arena) {
+        let (addr, len) = (arena.base, arena.len);
+        self.fence_blocks(arena, addr, len);
+    }
+
+    /// Logs a dynamically served large block of a recording stream.
+    pub(super) fn plan_note_alloc(&self, slot: u16, addr: u64, len: u64) {
+        let mut p = self.plans.slots[slot as usize].lock();
+        if let State::Recording(r) = &mut p.state {
+            if r.lives.len() >= MAX_RECORDED {
+                *r = Recorder::default();
+                return;
+            }
+            r.open.insert(addr, r.lives.len() as u32);
+            r.lives.push(Life {
+                len,
+                start: r.clock,
+                end: u32::MAX,
+            });
+            r.clock += 1;
+        }
+    }
+
+    /// A large free. Returns `true` when `addr` was a planned block (freed
+    /// here); otherwise logs the free for a recording stream and returns
+    /// `false` (the caller frees the block).
+    pub(super) fn plan_free(&self, addr: u64, stream: &Stream, extra: &[Arc<StreamCore>]) -> bool {
+        let Some(owner) = self.plans.owner_of(addr) else {
+            if let Some(s) = stream.slot() {
+                let mut p = self.plans.slots[s as usize].lock();
+                if let State::Recording(r) = &mut p.state {
+                    if let Some(i) = r.open.remove(&addr) {
+                        r.lives[i as usize].end = r.clock;
+                        r.clock += 1;
+                    }
+                }
+            }
+            return false;
+        };
+        if owner == ORPHAN {
+            let mut orphans = self.plans.orphans.lock();
+            let i = orphans
+                .iter()
+                .position(|a| a.holds(addr))
+                .expect("the index names only held arenas");
+            let arena = &mut orphans[i];
+            if let Some(l) = arena.live.remove(&addr) {
+                self.plans.live_bytes.fetch_sub(l.len, Relaxed);
+                let w = self.record_events(stream.core(), extra);
+                arena.tomb.events.extend(w.events);
+                arena.tomb.unrecorded.extend(w.unrecorded);
+            }
+            if arena.live.is_empty() {
+                let arena = orphans.swap_remove(i);
+                drop(orphans);
+                self.free_orphan(arena);
+            }
+            return true;
+        }
+        let mut p = self.plans.slots[owner as usize].lock();
+        let i = p
+            .arenas
+            .iter()
+            .position(|a| a.holds(addr))
+            .expect("the index names only held arenas");
+        let arena = &mut p.arenas[i];
+        if let Some(l) = arena.live.remove(&addr) {
+            self.plans.live_bytes.fetch_sub(l.len, Relaxed);
+            if stream.slot() != Some(owner) || !extra.is_empty() {
+                let w = self.record_events(stream.core(), extra);
+                arena.fenced.push((addr, l.len, w));
+                self.plans.fenced_bytes.fetch_add(l.len, Relaxed);
+            }
+        }
+        if arena.retiring {
+            self.lift_fences(arena);
+            if arena.is_empty() {
+                let arena = p.arenas.swap_remove(i);
+                self.free_arena(arena, owner);
+            }
+        }
+        true
+    }
+
+    /// Marks a step boundary on every stream with a slot (see the module
+    /// docs). The arena of a new plan is allocated here: the driver calls a
+    /// new plan needs are made at the mark, not in the steps that follow.
+    pub(super) fn mark_step(&self) {
+        self.plans.on.store(true, Relaxed);
+        let live = self.streams.live();
+        for s in &live {
+            if let Some(slot) = s.slot() {
+                self.mark_slot(s, slot);
+            }
+        }
+        drop(live);
+    }
+
+    fn mark_slot(&self, stream: &Stream, slot: u16) {
+        let rec = {
+            let mut p = self.plans.slots[slot as usize].lock();
+            let p = &mut *p;
+            for a in &mut p.arenas {
+                self.lift_fences(a);
+            }
+            match std::mem::take(&mut p.state) {
+                State::Off => {
+                    p.state = State::Recording(Recorder::default());
+                    return;
+                }
+                State::Following(mut f) if !f.departed && f.next == f.lens.len() => {
+                    f.next = 0;
+                    p.state = State::Following(f);
+                    return;
+                }
+                State::Following(f) => {
+                    self.retire_arena(p, slot, f.base);
+                    p.state = State::Recording(Recorder::default());
+                    return;
+                }
+                State::Recording(r) => r,
+            }
+        };
+        // Only blocks allocated and freed within the step are planned.
+        let inner: Vec<(usize, Life)> = rec
+            .lives
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.end != u32::MAX)
+            .map(|(i, l)| (i, *l))
+            .collect();
+        let record_again = || {
+            self.plans.slots[slot as usize].lock().state = State::Recording(Recorder::default());
+        };
+        if inner.is_empty() {
+            return record_again();
+        }
+        let lives: Vec<Life> = inner.iter().map(|(_, l)| *l).collect();
+        let (offs, total) = placement::place(&lives);
+        self.plans.last_arena.store(total, Relaxed);
+        self.plans
+            .last_peak
+            .store(placement::peak_live(&lives), Relaxed);
+        let mut offsets = vec![None; rec.lives.len()];
+        for ((i, _), off) in inner.iter().zip(offs) {
+            offsets[*i] = Some(off);
+        }
+        let arena = LargeLive {
+            requested: total,
+            raw: false,
+        };
+        let (base, len) = match self.alloc_large(total, arena, stream) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(device = self.dev, "no arena for a learned step: {e}");
+                return record_again();
+            }
+        };
+        // An arena is no block: owner word 0, like a parked range.
+        self.heap.lock().heap.set_owner(base, 0);
+        self.plans.index.write().insert(base, (len, slot));
+        self.plans.arena_bytes.fetch_add(len, Relaxed);
+        self.plans.plans.fetch_add(1, Relaxed);
+        let mut p = self.plans.slots[slot as usize].lock();
+        p.arenas.push(Arena::new(base, len));
+        p.state = State::Following(Follow {
+            lens: rec.lives.iter().map(|l| l.len).collect(),
+            offsets,
+            next: 0,
+            departed: false,
+            base,
+        });
+    }
+
+    /// Retires the arena at `base` of `slot`: freed now if empty, else when
+    /// its last block goes.
+    fn retire_arena(&self, p: &mut SlotPlan, slot: u16, base: u64) {
+        let Some(i) = p.arenas.iter().position(|a| a.base == base) else {
+            return;
+        };
+        p.arenas[i].retiring = true;
+        if p.arenas[i].is_empty() {
+            let a = p.arenas.swap_remove(i);
+            self.free_arena(a, slot);
+        }
+    }
+
+    /// Gives an empty arena of a live stream back to the heap.
+    fn free_arena(&self, a: Arena, slot: u16) {
+        debug_assert!(a.is_empty());
+        self.plans.index.write().remove(&a.base);
+        self.plans.arena_bytes.fetch_sub(a.len, Relaxed);
+        self.heap
+            .lock()
+            .heap
+            .free(a.base, Tag::Dirty(slot))
+            .expect("an arena is allocated");
+    }
+
+    /// Gives an orphan arena with no live block back to the heap, behind its
+    /// retired stream's last event, the events of its frees and its fences.
+    fn free_orphan(&self, mut a: Arena) {
+        let mut waits = std::mem::take(&mut a.tomb);
+        for (_, l, w) in a.fenced.drain(..) {
+            self.plans.fenced_bytes.fetch_sub(l, Relaxed);
+            waits.events.extend(w.events);
+            waits.unrecorded.extend(w.unrecorded);
+        }
+        self.plans.index.write().remove(&a.base);
+        self.plans.arena_bytes.fetch_sub(a.len, Relaxed);
+        let mut h = self.heap.lock();
+        let id = h.heap.new_pending_group();
+        h.heap
+            .free(a.base, Tag::Pending(id))
+            .expect("an arena is allocated");
+        h.group_events.insert(id, waits);
+        drop(h);
+        self.counters.pending_frees.fetch_add(1, Relaxed);
+        self.pending.push(Pending::Group { id });
+    }
+
+    /// A stream retires (before its dirty memory is flushed): its empty
+    /// arenas go back to the heap as its dirty memory; the others become
+    /// orphans behind an event of its last work.
+    pub(super) fn plan_retire_slot(&self, slot: u16, core: &Arc<StreamCore>) {
+        if !self.plans.enabled() {
+            return;
+        }
+        let arenas = {
+            let mut p = self.plans.slots[slot as usize].lock();
+            p.state = State::Off;
+            std::mem::take(&mut p.arenas)
+        };
+        for mut a in arenas {
+            self.lift_fences(&mut a);
+            if a.is_empty() {
+                self.free_arena(a, slot);
+                continue;
+            }
+            a.tomb = self.record_events(core, &[]);
+            if a.live.is_empty() {
+                self.free_orphan(a);
+                continue;
+            }
+            if let Some(e) = self.plans.index.write().get_mut(&a.base) {
+                e.1 = ORPHAN;
+            }
+            self.plans.orphans.lock().push(a);
+        }
+    }
+
+    /// Memory is short (the way to out of memory, `trim`): every empty
+    /// arena goes back to the heap and its stream records anew at the next
+    /// mark. Returns the bytes given back.
+    pub(super) fn plan_release_idle(&self) -> u64 {
+        if !self.plans.enabled() {
+            return 0;
+        }
+        let mut freed = 0;
+        for slot in 0..STREAM_SLOTS as u16 {
+            let mut p = self.plans.slots[slot as usize].lock();
+            let p = &mut *p;
+            let mut i = 0;
+            while i < p.arenas.len() {
+                self.lift_fences(&mut p.arenas[i]);
+                if !p.arenas[i].is_empty() {
+                    i += 1;
+                    continue;
+                }
+                let a = p.arenas.swap_remove(i);
+                if matches!(&p.state, State::Following(f) if f.base == a.base) {
+                    p.state = State::Recording(Recorder::default());
+                }
+                freed += a.len;
+                self.free_arena(a, slot);
+            }
+        }
+        freed
+    }
+
+    /// Pool teardown: forgets every plan (the heap gives the memory back)
+    /// and returns fenced events to the pool's event cache.
+    pub(super) fn plan_teardown(&self) {
+        let mut arenas: Vec<Arena> = std::mem::take(&mut *self.plans.orphans.lock());
+        for slot in self.plans.slots.iter() {
+            let mut p = slot.lock();
+            p.state = State::Off;
+            arenas.append(&mut p.arenas);
+        }
+        for a in arenas {
+            self.recycle_events(a.tomb);
+            for (_, _, w) in a.fenced {
+                self.recycle_events(w);
+            }
+        }
+        self.plans.index.write().clear();
+        self.plans.arena_bytes.store(0, Relaxed);
+        self.plans.live_bytes.store(0, Relaxed);
+        self.plans.fenced_bytes.store(0, Relaxed);
+    }
+}
