@@ -2,9 +2,9 @@
 //!
 //! Random operation sequences (allocations as RAII blocks or raw pointers on
 //! several streams, frees, `record_stream`, bad frees, harvests, trims,
-//! stream syncs and stalls) run against the pool and against a trivial model
-//! (a map of live blocks). After every step the test checks that live blocks
-//! never overlap, that each lies in mapped device memory, that `audit()`
+//! step marks, stream syncs and stalls) run against the pool and against a
+//! trivial model (a map of live blocks). After every step the test checks
+//! that live blocks never overlap, that each lies in mapped device memory, that `audit()`
 //! passes, that the stats agree with the model, that the pool holds exactly
 //! the device memory the stats say, and that typed errors change nothing.
 //! When the device could evidently hold a request once nothing is in flight,
@@ -99,6 +99,10 @@ enum Op {
     },
     Harvest,
     Trim,
+    /// A step boundary (`mark_step`): random sequences rarely repeat, so
+    /// this mostly exercises plans that are built, departed from and
+    /// retired while their blocks live.
+    MarkStep,
     /// Host-syncs a stream (the test's own sync, not the pool's).
     Sync {
         stream: usize,
@@ -178,6 +182,7 @@ fn op_strategy(kernels: bool) -> impl Strategy<Value = Op> {
         6 => (bad, st.clone()).prop_map(|(bad, stream)| Op::BadFree { bad, stream }),
         4 => Just(Op::Harvest),
         1 => Just(Op::Trim),
+        3 => Just(Op::MarkStep),
         3 => st.clone().prop_map(|stream| Op::Sync { stream }),
         3 => (st, 0..stall_us).prop_map(|(stream, us)| Op::Stall { stream, us }),
     ]
@@ -647,6 +652,7 @@ impl<'a> Model<'a> {
                 self.dev.harvest();
                 Ok(())
             }
+            Op::MarkStep => self.dev.mark_step().map_err(|e| format!("mark_step: {e}")),
             Op::Trim => self
                 .dev
                 .trim()
