@@ -48,7 +48,7 @@ pub struct DemoOptions {
 impl Default for DemoOptions {
     fn default() -> Self {
         DemoOptions {
-            steps: 9,
+            steps: 12,
             phases: vec![32, 64, 16],
             micro_batches: 2,
             streams: 3,
@@ -171,20 +171,7 @@ pub fn run(rt: &Runtime, opts: &DemoOptions) -> Result<DemoReport> {
 
 /// The driver calls the side-by-side compares: those that make, map and
 /// give back device memory.
-const MEMORY_CALLS: [crate::backend::Call; 9] = {
-    use crate::backend::Call::*;
-    [
-        MemCreate,
-        MemRelease,
-        MemAlloc,
-        MemFree,
-        AddressReserve,
-        AddressFree,
-        Map,
-        Unmap,
-        SetAccess,
-    ]
-};
+const MEMORY_CALLS: [crate::backend::Call; 9] = crate::backend::Call::MEMORY;
 
 /// Replays device 0's recorded allocations and frees through the PyTorch
 /// port in both modes, beside gpupool's figures for the same run (its
@@ -354,6 +341,20 @@ impl std::fmt::Display for DemoReport {
                     a.driver_ms_per_step
                 )?;
             }
+            let devices = self.train.devices.len().max(1) as u64;
+            let by_step: Vec<u64> = self
+                .train
+                .memory_calls_by_step
+                .iter()
+                .map(|n| n / devices)
+                .collect();
+            writeln!(
+                f,
+                "  gpupool's memory driver calls by step, per device: {by_step:?}\n  (a phase's \
+                 first step departs from the learned plan and grows, its second is recorded, \
+                 the mark before its third sets up the new plan's arena, and the steps that \
+                 follow it need none; the maintenance threads' share depends on timing)"
+            )?;
         }
         if let Some(p) = &self.plot {
             write!(f, "\nplot: {}", p.display())?;

@@ -30,6 +30,7 @@ fn small(batches: Vec<usize>) -> TrainOptions {
         idle_gap: Duration::from_millis(5),
         verify: true,
         idle_work: None,
+        learn_steps: true,
     }
 }
 

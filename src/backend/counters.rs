@@ -23,6 +23,20 @@ macro_rules! calls {
             /// Every call, in order.
             pub const ALL: &'static [Call] = &[$(Call::$variant),*];
 
+            /// The calls that make, map and give back device memory: what
+            /// a pool in steady state makes none of.
+            pub const MEMORY: [Call; 9] = [
+                Call::MemCreate,
+                Call::MemRelease,
+                Call::MemAlloc,
+                Call::MemFree,
+                Call::AddressReserve,
+                Call::AddressFree,
+                Call::Map,
+                Call::Unmap,
+                Call::SetAccess,
+            ];
+
             /// The CUDA driver name of the call.
             pub fn name(self) -> &'static str {
                 match self { $(Call::$variant => $name),* }

@@ -24,7 +24,7 @@ enum Command {
         #[command(flatten)]
         common: Common,
         /// Training steps (spread over batch phases 32, 64, 16).
-        #[arg(long, default_value_t = 9)]
+        #[arg(long, default_value_t = 12)]
         steps: usize,
         /// Where to write the SVG plot of memory over time.
         #[arg(long, default_value = "target/gpupool-demo.svg")]

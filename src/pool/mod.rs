@@ -535,7 +535,7 @@ impl PoolShared {
                     raw,
                 };
                 let planned = match slot {
-                    Some(s) if self.plans.enabled() => self.plan_serve(s, len, live),
+                    Some(s) if self.plans.enabled() => self.plan_serve(stream, s, len, live),
                     _ => plan::Serve::Dynamic { record: false },
                 };
                 let (addr, len) = match planned {

@@ -84,6 +84,9 @@ pub struct TrainOptions {
     /// Idle-time work the harness runs itself after each step (`None`:
     /// only what the maintenance threads do in the idle gap).
     pub idle_work: Option<IdleWork>,
+    /// Mark each step on every pool ([`DevicePool::mark_step`]), so that
+    /// steps that repeat the one before are served from its plan.
+    pub learn_steps: bool,
 }
 
 /// Idle-time work the harness runs on every device after each step, at a
@@ -117,6 +120,7 @@ impl Default for TrainOptions {
             idle_gap: Duration::from_millis(30),
             verify: true,
             idle_work: None,
+            learn_steps: true,
         }
     }
 }
@@ -365,7 +369,14 @@ impl<'a> Device<'a> {
         let pool = self.pool;
         pool.settle()?;
         if w.compact {
-            pool.compact(CompactOptions::from_config(pool.config()))?;
+            // The pass keeps what it empties cached: whether memory goes
+            // back to the device is the idle release test's call below, so
+            // a training loop does not give back each step what the next
+            // step takes again.
+            pool.compact(CompactOptions {
+                release: false,
+                ..CompactOptions::from_config(pool.config())
+            })?;
         }
         let step_peak = pool.take_window_peak();
         if let Some(fraction) = w.release_fraction {
@@ -484,9 +495,21 @@ pub fn run_with(
     }
     let mut gradients_match = true;
     let mut gradients_expected = o.verify.then_some(true);
+    let memory_calls = || {
+        let c = rt.backend().counters();
+        crate::backend::Call::MEMORY
+            .iter()
+            .map(|&k| c.get(k))
+            .sum::<u64>()
+    };
+    let mut memory_calls_by_step = Vec::with_capacity(o.batches.len());
     for step in 0..o.batches.len() {
         let ts = Instant::now();
+        let calls0 = memory_calls();
         devs.par_iter_mut().try_for_each(|d| {
+            if o.learn_steps {
+                d.pool.mark_step()?;
+            }
             let counters = || d.pool.backend().counters().host_syncs_of(d.pool.device());
             let before = counters();
             d.sample();
@@ -539,6 +562,7 @@ pub fn run_with(
         if !o.idle_gap.is_zero() {
             std::thread::sleep(o.idle_gap);
         }
+        memory_calls_by_step.push(memory_calls() - calls0);
         for d in &mut devs {
             d.report
                 .reserved_after_idle
@@ -565,6 +589,7 @@ pub fn run_with(
             let mut r = report.finish(o, &st, m);
             r.compaction_passes = ct.passes;
             r.compaction_bytes_moved = ct.bytes_moved;
+            r.plan = d.pool.plan_stats();
             drop(d);
             r.integrity_errors = r.verifies.iter().map(|v| v.wait()).sum();
             r.verifies.clear();
@@ -584,7 +609,7 @@ pub fn run_with(
         r.audit = p.audit().err();
     }
     drop(streams);
-    Ok(TrainReport::new(
+    let mut report = TrainReport::new(
         rt,
         o,
         coll.name(),
@@ -593,5 +618,7 @@ pub fn run_with(
         gradients_expected,
         weights_match,
         t0.elapsed().as_secs_f64(),
-    ))
+    );
+    report.memory_calls_by_step = memory_calls_by_step;
+    Ok(report)
 }

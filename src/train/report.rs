@@ -62,6 +62,9 @@ pub struct DeviceReport {
     pub idle_releases: u64,
     /// Bytes those releases gave back.
     pub idle_released_bytes: u64,
+    /// Learned steps ([`crate::DevicePool::mark_step`]): plans built,
+    /// requests served from them, departures.
+    pub plan: crate::pool::PlanStats,
     /// Live bytes of the pool after the run (everything the harness
     /// allocated freed) over those before it: 0 unless something leaked.
     pub leaked_bytes: u64,
@@ -106,6 +109,7 @@ impl DeviceReport {
             compaction_bytes_moved: 0,
             idle_releases: 0,
             idle_released_bytes: 0,
+            plan: Default::default(),
             leaked_bytes: 0,
             reserved_before_run: 0,
             reserved_after_run: 0,
@@ -184,6 +188,11 @@ pub struct TrainReport {
     pub no_growth_after_step2: bool,
     /// Wall time in seconds.
     pub seconds: f64,
+    /// Driver calls that make, map or give back device memory
+    /// ([`crate::backend::Call::MEMORY`]) during each step and its idle
+    /// work and gap, all devices together (a figure, not a check: the
+    /// maintenance threads' share depends on timing).
+    pub memory_calls_by_step: Vec<u64>,
     /// The checks that failed (see [`TrainReport::ok`]); empty when all
     /// passed.
     pub failed_checks: Vec<String>,
@@ -215,6 +224,7 @@ impl TrainReport {
             weights_match,
             phases,
             seconds,
+            memory_calls_by_step: Vec::new(),
             failed_checks,
         }
     }
@@ -359,12 +369,16 @@ impl fmt::Display for TrainReport {
         for d in &self.devices {
             writeln!(
                 f,
-                "device {}: {} compaction pass(es) moving {:.2} MiB, {} idle release(s) by the harness giving back {:.1} MiB",
+                "device {}: {} compaction pass(es) moving {:.2} MiB, {} idle release(s) by the harness giving back {:.1} MiB, {} of {} large requests from {} learned plan(s) ({} departure(s))",
                 d.device,
                 d.compaction_passes,
                 mib(d.compaction_bytes_moved),
                 d.idle_releases,
-                mib(d.idle_released_bytes)
+                mib(d.idle_released_bytes),
+                d.plan.served,
+                d.plan.served + d.plan.dynamic,
+                d.plan.plans,
+                d.plan.departures
             )?;
         }
         for d in &self.devices {

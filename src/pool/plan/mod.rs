@@ -71,6 +71,9 @@ pub struct PlanStats {
     pub misses: u64,
     /// Steps that departed from their plan (a request of another length).
     pub departures: u64,
+    /// Large requests of marked streams served dynamically (recording,
+    /// after a departure, misses, blocks that outlive their step).
+    pub dynamic: u64,
     /// Bytes of arenas held now.
     pub arena_bytes: u64,
     /// Bytes of live planned blocks now.
@@ -93,12 +96,7 @@ pub(crate) struct Plans {
     index: RwLock<BTreeMap<u64, (u64, u16)>>,
     orphans: Mutex<Vec<Arena>>,
     plans: AtomicU64,
-    served: AtomicU64,
-    misses: AtomicU64,
-    departures: AtomicU64,
     arena_bytes: AtomicU64,
-    live_bytes: AtomicU64,
-    fenced_bytes: AtomicU64,
     last_arena: AtomicU64,
     last_peak: AtomicU64,
 }
@@ -108,6 +106,12 @@ struct SlotPlan {
     state: State,
     /// The following arena (named by `Follow::base`) and retiring ones.
     arenas: Vec<Arena>,
+    /// Counted here, under the stream's own lock: no counter is shared
+    /// between streams on the large path.
+    served: u64,
+    misses: u64,
+    departures: u64,
+    dynamic: u64,
 }
 
 #[derive(Debug, Default)]
@@ -128,6 +132,9 @@ struct Recorder {
 
 #[derive(Debug)]
 struct Follow {
+    /// This step as it goes: if it departs from the plan, the next mark
+    /// plans from it at once (a changed step is learned in one step).
+    rec: Recorder,
     lens: Vec<u64>,
     /// Planned offset of each request; `None` for blocks outliving the step.
     offsets: Vec<Option<u64>>,
@@ -146,6 +153,8 @@ struct Arena {
     /// Events an orphan's freed memory waits for (its stream's last work).
     tomb: Waits,
     retiring: bool,
+    live_bytes: u64,
+    fenced_bytes: u64,
 }
 
 /// A live planned block.
@@ -164,6 +173,56 @@ pub(crate) enum Serve {
     Dynamic { record: bool },
 }
 
+impl Recorder {
+    fn note_alloc(&mut self, addr: u64, len: u64) {
+        if self.lives.len() >= MAX_RECORDED {
+            *self = Recorder::default();
+            return;
+        }
+        self.open.insert(addr, self.lives.len() as u32);
+        self.lives.push(Life {
+            len,
+            start: self.clock,
+            end: u32::MAX,
+        });
+        self.clock += 1;
+    }
+
+    fn note_free(&mut self, addr: u64) {
+        if let Some(i) = self.open.remove(&addr) {
+            self.lives[i as usize].end = self.clock;
+            self.clock += 1;
+        }
+    }
+
+    /// Whether the step has a block to plan (one allocated and freed in it).
+    fn has_inner(&self) -> bool {
+        self.lives.iter().any(|l| l.end != u32::MAX)
+    }
+}
+
+impl State {
+    /// The recorder of this step, if the stream records or follows.
+    fn recorder(&mut self) -> Option<&mut Recorder> {
+        match self {
+            State::Off => None,
+            State::Recording(r) => Some(r),
+            State::Following(f) => Some(&mut f.rec),
+        }
+    }
+
+    /// The recording to plan from at the next mark, if a new plan is due
+    /// (recording, or following a step that departed).
+    fn plan_due(&self) -> Option<&Recorder> {
+        match self {
+            State::Recording(r) => Some(r),
+            State::Following(f) if f.departed || f.next != f.lens.len() => Some(&f.rec),
+            _ => None,
+        }
+        .filter(|r| r.has_inner())
+    }
+}
+
 impl Arena {
     fn new(base: u64, len: u64) -> Arena {
         Arena {
@@ -173,6 +232,8 @@ impl Arena {
             fenced: Vec::new(),
             tomb: Waits::default(),
             retiring: false,
+            live_bytes: 0,
+            fenced_bytes: 0,
         }
     }
 
@@ -202,12 +263,7 @@ impl Plans {
             index: RwLock::new(BTreeMap::new()),
             orphans: Mutex::new(Vec::new()),
             plans: AtomicU64::new(0),
-            served: AtomicU64::new(0),
-            misses: AtomicU64::new(0),
-            departures: AtomicU64::new(0),
             arena_bytes: AtomicU64::new(0),
-            live_bytes: AtomicU64::new(0),
-            fenced_bytes: AtomicU64::new(0),
             last_arena: AtomicU64::new(0),
             last_peak: AtomicU64::new(0),
         }
@@ -219,22 +275,45 @@ impl Plans {
         self.on.load(Relaxed)
     }
 
-    pub(crate) fn stats(&self) -> PlanStats {
-        PlanStats {
+    /// The figures, and the bytes of fenced sub-ranges (freed, waiting on
+    /// other streams). Visits every stream's plan (not a fast call).
+    pub(crate) fn stats_and_fenced(&self) -> (PlanStats, u64) {
+        let mut st = PlanStats {
             plans: self.plans.load(Relaxed),
-            served: self.served.load(Relaxed),
-            misses: self.misses.load(Relaxed),
-            departures: self.departures.load(Relaxed),
             arena_bytes: self.arena_bytes.load(Relaxed),
-            live_bytes: self.live_bytes.load(Relaxed),
             last_arena_bytes: self.last_arena.load(Relaxed),
             last_peak_live_bytes: self.last_peak.load(Relaxed),
+            ..PlanStats::default()
+        };
+        let mut fenced = 0;
+        let mut add = |arenas: &[Arena]| {
+            for a in arenas {
+                st.live_bytes += a.live_bytes;
+                fenced += a.fenced_bytes;
+            }
+        };
+        for slot in self.slots.iter() {
+            let p = slot.lock();
+            add(&p.arenas);
+            st.served += p.served;
+            st.misses += p.misses;
+            st.departures += p.departures;
+            st.dynamic += p.dynamic;
         }
+        add(&self.orphans.lock());
+        (st, fenced)
+    }
+
+    pub(crate) fn stats(&self) -> PlanStats {
+        self.stats_and_fenced().0
     }
 
     /// Bytes of fenced sub-ranges (freed, waiting on other streams).
     pub(crate) fn fenced_bytes(&self) -> u64 {
-        self.fenced_bytes.load(Relaxed)
+        if !self.enabled() {
+            return 0;
+        }
+        self.stats_and_fenced().1
     }
 
     /// The owner of the arena holding `addr`, if any.
@@ -269,34 +348,54 @@ impl Plans {
 
 impl PoolShared {
     /// The plan's answer for a large request of rounded `len` on `slot`.
-    pub(super) fn plan_serve(&self, slot: u16, len: u64, live: LargeLive) -> Serve {
-        let mut p = self.plans.slots[slot as usize].lock();
-        let SlotPlan { state, arenas } = &mut *p;
-        let f = match state {
+    pub(super) fn plan_serve(
+        &self,
+        stream: &Stream,
+        slot: u16,
+        len: u64,
+        live: LargeLive,
+    ) -> Serve {
+        let mut guard = self.plans.slots[slot as usize].lock();
+        let p = &mut *guard;
+        let f = match &mut p.state {
             State::Off => return Serve::Dynamic { record: false },
-            State::Recording(_) => return Serve::Dynamic { record: true },
+            State::Recording(_) => {
+                p.dynamic += 1;
+                return Serve::Dynamic { record: true };
+            }
             State::Following(f) => f,
         };
         if f.departed {
-            return Serve::Dynamic { record: false };
+            p.dynamic += 1;
+            return Serve::Dynamic { record: true };
         }
         let k = f.next;
         f.next += 1;
         if f.lens.get(k) != Some(&len) {
+            // The rest of the step is served dynamically: the arena goes
+            // back to the heap as soon as it is empty (at once, when the
+            // step departs at its first request), so that the dynamic path
+            // can use its memory instead of growing beside it.
             f.departed = true;
-            self.plans.departures.fetch_add(1, Relaxed);
-            return Serve::Dynamic { record: false };
+            let base = f.base;
+            p.departures += 1;
+            p.dynamic += 1;
+            self.retire_arena(p, slot, base);
+            return Serve::Dynamic { record: true };
         }
-        let Some(off) = f.offsets[k] else {
-            return Serve::Dynamic { record: false };
+        let (Some(off), base) = (f.offsets[k], f.base) else {
+            p.dynamic += 1;
+            return Serve::Dynamic { record: true };
         };
-        let Some(arena) = arenas.iter_mut().find(|a| a.base == f.base) else {
-            return Serve::Dynamic { record: false };
+        let Some(arena) = p.arenas.iter_mut().find(|a| a.base == base) else {
+            p.dynamic += 1;
+            return Serve::Dynamic { record: true };
         };
         let addr = arena.base + off;
-        if arena.overlaps_live(addr, len) || self.fence_blocks(arena, addr, len) {
-            self.plans.misses.fetch_add(1, Relaxed);
-            return Serve::Dynamic { record: false };
+        if arena.overlaps_live(addr, len) || !self.hand_over_fences(arena, addr, len, stream) {
+            p.misses += 1;
+            p.dynamic += 1;
+            return Serve::Dynamic { record: true };
         }
         arena.live.insert(
             addr,
@@ -306,53 +405,56 @@ impl PoolShared {
                 raw: live.raw,
             },
         );
-        self.plans.served.fetch_add(1, Relaxed);
-        self.plans.live_bytes.fetch_add(len, Relaxed);
+        arena.live_bytes += len;
+        p.served += 1;
+        if let Some(r) = p.state.recorder() {
+            r.note_alloc(addr, len);
+        }
         Serve::Planned(addr)
     }
 
-    /// Whether a fenced sub-range whose events have not completed overlaps
-    /// `[addr, addr + len)`; completed fences in the way are lifted.
-    fn fence_blocks(&self, arena: &mut Arena, addr: u64, len: u64) -> bool {
-        let mut blocked = false;
+    /// Clears the fences in `[addr, addr + len)` for `stream`: those whose
+    /// events completed are lifted; for the others `stream` waits on their
+    /// events on the device (a handover, as for pending memory: no host
+    /// wait). Returns `false`, leaving the rest in place, if a fence cannot
+    /// be handed over (a use with no event, or a failed wait).
+    fn hand_over_fences(&self, arena: &mut Arena, addr: u64, len: u64, stream: &Stream) -> bool {
         let mut i = 0;
         while i < arena.fenced.len() {
-            let (a, l, _) = &arena.fenced[i];
+            let (a, l, w) = &arena.fenced[i];
             if *a < addr + len && addr < a + l {
-                if self.waits_done(&arena.fenced[i].2) {
-                    let (_, l, w) = arena.fenced.swap_remove(i);
-                    self.plans.fenced_bytes.fetch_sub(l, Relaxed);
-                    self.recycle_events(w);
-                    continue;
+                if !self.waits_done(w) && self.wait_on(stream, w).is_err() {
+                    return false;
                 }
-                blocked = true;
+                let (_, l, w) = arena.fenced.swap_remove(i);
+                arena.fenced_bytes -= l;
+                self.recycle_events(w);
+                continue;
             }
             i += 1;
         }
-        blocked
+        true
     }
 
-    /// Lifts every completed fence of `arena`.
+    /// Lifts every fence of `arena` whose events completed.
     fn lift_fences(&self, arena: &mut Arena) {
-        let (addr, len) = (arena.base, arena.len);
-        self.fence_blocks(arena, addr, len);
+        let mut i = 0;
+        while i < arena.fenced.len() {
+            if self.waits_done(&arena.fenced[i].2) {
+                let (_, l, w) = arena.fenced.swap_remove(i);
+                arena.fenced_bytes -= l;
+                self.recycle_events(w);
+                continue;
+            }
+            i += 1;
+        }
     }
 
     /// Logs a dynamically served large block of a recording stream.
     pub(super) fn plan_note_alloc(&self, slot: u16, addr: u64, len: u64) {
         let mut p = self.plans.slots[slot as usize].lock();
-        if let State::Recording(r) = &mut p.state {
-            if r.lives.len() >= MAX_RECORDED {
-                *r = Recorder::default();
-                return;
-            }
-            r.open.insert(addr, r.lives.len() as u32);
-            r.lives.push(Life {
-                len,
-                start: r.clock,
-                end: u32::MAX,
-            });
-            r.clock += 1;
+        if let Some(r) = p.state.recorder() {
+            r.note_alloc(addr, len);
         }
     }
 
@@ -363,11 +465,8 @@ impl PoolShared {
         let Some(owner) = self.plans.owner_of(addr) else {
             if let Some(s) = stream.slot() {
                 let mut p = self.plans.slots[s as usize].lock();
-                if let State::Recording(r) = &mut p.state {
-                    if let Some(i) = r.open.remove(&addr) {
-                        r.lives[i as usize].end = r.clock;
-                        r.clock += 1;
-                    }
+                if let Some(r) = p.state.recorder() {
+                    r.note_free(addr);
                 }
             }
             return false;
@@ -380,7 +479,7 @@ impl PoolShared {
                 .expect("the index names only held arenas");
             let arena = &mut orphans[i];
             if let Some(l) = arena.live.remove(&addr) {
-                self.plans.live_bytes.fetch_sub(l.len, Relaxed);
+                arena.live_bytes -= l.len;
                 let w = self.record_events(stream.core(), extra);
                 arena.tomb.events.extend(w.events);
                 arena.tomb.unrecorded.extend(w.unrecorded);
@@ -393,6 +492,11 @@ impl PoolShared {
             return true;
         }
         let mut p = self.plans.slots[owner as usize].lock();
+        if stream.slot() == Some(owner) {
+            if let Some(r) = p.state.recorder() {
+                r.note_free(addr);
+            }
+        }
         let i = p
             .arenas
             .iter()
@@ -400,11 +504,11 @@ impl PoolShared {
             .expect("the index names only held arenas");
         let arena = &mut p.arenas[i];
         if let Some(l) = arena.live.remove(&addr) {
-            self.plans.live_bytes.fetch_sub(l.len, Relaxed);
+            arena.live_bytes -= l.len;
             if stream.slot() != Some(owner) || !extra.is_empty() {
                 let w = self.record_events(stream.core(), extra);
                 arena.fenced.push((addr, l.len, w));
-                self.plans.fenced_bytes.fetch_add(l.len, Relaxed);
+                arena.fenced_bytes += l.len;
             }
         }
         if arena.retiring {
@@ -423,6 +527,21 @@ impl PoolShared {
     pub(super) fn mark_step(&self) {
         self.plans.on.store(true, Relaxed);
         let live = self.streams.live();
+        let plans_due = live.iter().filter_map(Stream::slot).any(|s| {
+            self.plans.slots[s as usize]
+                .lock()
+                .state
+                .plan_due()
+                .is_some()
+        });
+        if plans_due {
+            // New arenas are due: every stream's freed memory goes to the
+            // pending list first (one event per stream), so that each
+            // arena can take what any stream freed in the recorded step,
+            // by handover, instead of growing the pool beside it.
+            self.flush_all_streams();
+            self.harvest();
+        }
         for s in &live {
             if let Some(slot) = s.slot() {
                 self.mark_slot(s, slot);
@@ -445,13 +564,14 @@ impl PoolShared {
                 }
                 State::Following(mut f) if !f.departed && f.next == f.lens.len() => {
                     f.next = 0;
+                    f.rec = Recorder::default();
                     p.state = State::Following(f);
                     return;
                 }
+                // Departed: plan anew from the step just run.
                 State::Following(f) => {
                     self.retire_arena(p, slot, f.base);
-                    p.state = State::Recording(Recorder::default());
-                    return;
+                    f.rec
                 }
                 State::Recording(r) => r,
             }
@@ -499,6 +619,7 @@ impl PoolShared {
         let mut p = self.plans.slots[slot as usize].lock();
         p.arenas.push(Arena::new(base, len));
         p.state = State::Following(Follow {
+            rec: Recorder::default(),
             lens: rec.lives.iter().map(|l| l.len).collect(),
             offsets,
             next: 0,
@@ -536,8 +657,7 @@ impl PoolShared {
     /// retired stream's last event, the events of its frees and its fences.
     fn free_orphan(&self, mut a: Arena) {
         let mut waits = std::mem::take(&mut a.tomb);
-        for (_, l, w) in a.fenced.drain(..) {
-            self.plans.fenced_bytes.fetch_sub(l, Relaxed);
+        for (_, _, w) in a.fenced.drain(..) {
             waits.events.extend(w.events);
             waits.unrecorded.extend(w.unrecorded);
         }
@@ -630,7 +750,5 @@ impl PoolShared {
         }
         self.plans.index.write().clear();
         self.plans.arena_bytes.store(0, Relaxed);
-        self.plans.live_bytes.store(0, Relaxed);
-        self.plans.fenced_bytes.store(0, Relaxed);
     }
 }
