@@ -7,8 +7,10 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use gpupool_tools::bench::baselines::{MutexBestFit, OffsetAllocatorPool};
 use std::hint::black_box;
-use std::sync::Barrier;
-use std::time::{Duration, Instant};
+
+#[path = "../../benches/common/mod.rs"]
+mod common;
+use common::run_threads;
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -27,30 +29,6 @@ fn baselines(c: &mut Criterion) {
     c.bench_function("offset_allocator_pair/4096", |b| {
         b.iter(|| o.free(black_box(o.alloc(4096).unwrap())))
     });
-}
-
-/// Each of `threads` threads runs `iters` calls of `pair(i)` after a common
-/// barrier; returns the wall time from the barrier to the last end.
-fn run_threads(threads: usize, iters: u64, pair: impl Fn(usize) + Sync) -> Duration {
-    let barrier = Barrier::new(threads);
-    let spans: Vec<(Instant, Instant)> = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..threads)
-            .map(|i| {
-                let (barrier, pair) = (&barrier, &pair);
-                sc.spawn(move || {
-                    barrier.wait();
-                    let t0 = Instant::now();
-                    for _ in 0..iters {
-                        pair(i);
-                    }
-                    (t0, Instant::now())
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let start = spans.iter().map(|s| s.0).min().unwrap();
-    spans.iter().map(|s| s.1).max().unwrap() - start
 }
 
 fn two_threads(c: &mut Criterion) {
