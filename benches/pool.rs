@@ -1,16 +1,17 @@
-//! Criterion benchmarks of alloc + free pairs: gpupool's small path per
-//! size class sample, its large path on a cached range, the two baselines
-//! of `gpupool::bench::baselines` (benchmark baselines, not part of the
-//! product), and 2-thread throughput. All pools run on the simulator in
-//! accounting mode. `gpupool bench` reports the same figures in one run.
+//! Criterion benchmarks of the pool's alloc + free pairs: the small path
+//! per size class sample, the large path on a cached range, and 2-thread
+//! throughput. All pools run on the simulator in accounting mode. The same
+//! pairs measured against the benchmark baselines (a mutex best-fit pool,
+//! `offset-allocator`) are the tools crate's (`tools/benches/baselines.rs`,
+//! same group names); `gpupool bench` reports all of them in one run.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use gpupool::backend::sim::{SimBacking, SimConfig};
-use gpupool::bench::baselines::{MutexBestFit, OffsetAllocatorPool};
 use gpupool::{BackendKind, PoolConfig, Runtime};
 use std::hint::black_box;
-use std::sync::Barrier;
-use std::time::{Duration, Instant};
+
+mod common;
+use common::run_threads;
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -57,45 +58,6 @@ fn gpupool_large(c: &mut Criterion) {
     g.finish();
 }
 
-fn baselines(c: &mut Criterion) {
-    let a = MutexBestFit::new(CAPACITY);
-    let mut g = c.benchmark_group("mutex_best_fit_pair");
-    for size in [4 * KIB as u64, 4 * MIB as u64] {
-        g.bench_with_input(BenchmarkId::from_parameter(size), &size, |b, &size| {
-            b.iter(|| a.free(black_box(a.alloc(size).unwrap())))
-        });
-    }
-    g.finish();
-    let o = OffsetAllocatorPool::new(CAPACITY);
-    c.bench_function("offset_allocator_pair/4096", |b| {
-        b.iter(|| o.free(black_box(o.alloc(4096).unwrap())))
-    });
-}
-
-/// Each of `threads` threads runs `iters` calls of `pair(i)` after a common
-/// barrier; returns the wall time from the barrier to the last end.
-fn run_threads(threads: usize, iters: u64, pair: impl Fn(usize) + Sync) -> Duration {
-    let barrier = Barrier::new(threads);
-    let spans: Vec<(Instant, Instant)> = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..threads)
-            .map(|i| {
-                let (barrier, pair) = (&barrier, &pair);
-                sc.spawn(move || {
-                    barrier.wait();
-                    let t0 = Instant::now();
-                    for _ in 0..iters {
-                        pair(i);
-                    }
-                    (t0, Instant::now())
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let start = spans.iter().map(|s| s.0).min().unwrap();
-    spans.iter().map(|s| s.1).max().unwrap() - start
-}
-
 fn two_threads(c: &mut Criterion) {
     const T: usize = 2;
     let rt = runtime();
@@ -104,7 +66,6 @@ fn two_threads(c: &mut Criterion) {
     for s in &streams {
         drop(dev.alloc(4 * KIB, s).unwrap());
     }
-    let a = MutexBestFit::new(CAPACITY);
     let mut g = c.benchmark_group("threads_2_pairs_4096");
     // One iteration = one pair on each thread.
     g.throughput(Throughput::Elements(T as u64));
@@ -115,21 +76,8 @@ fn two_threads(c: &mut Criterion) {
             })
         })
     });
-    g.bench_function("mutex_best_fit", |b| {
-        b.iter_custom(|iters| {
-            run_threads(T, iters, |_| {
-                a.free(black_box(a.alloc(4 * KIB as u64).unwrap()));
-            })
-        })
-    });
     g.finish();
 }
 
-criterion_group!(
-    benches,
-    gpupool_small,
-    gpupool_large,
-    baselines,
-    two_threads
-);
+criterion_group!(benches, gpupool_small, gpupool_large, two_threads);
 criterion_main!(benches);

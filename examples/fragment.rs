@@ -5,7 +5,7 @@
 
 use gpupool::compact::fragment::{run, FragmentOptions};
 
-fn main() -> anyhow::Result<()> {
+fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut o = FragmentOptions::default();
     let args: Vec<u64> = std::env::args()
         .skip(1)

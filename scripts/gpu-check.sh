@@ -2,7 +2,8 @@
 # The GPU check, in two halves:
 #
 #   bash scripts/gpu-check.sh build   # here (cargo, no GPU): builds release
-#                                     # test binaries and the CLI into gpu-bundle/
+#                                     # test binaries, libgpupool.so and the
+#                                     # CLI (tools/) into gpu-bundle/
 #   bash scripts/gpu-check.sh run     # on the GPU machine (no cargo): runs them
 #
 # The device tool call that runs it (gpu-bundle/ is git-ignored, so carry it):
@@ -43,9 +44,9 @@ build() {
     cd "$repo"
     rm -rf "$bundle"
     mkdir -p "$bundle"
-    # Test binaries: cargo prints their paths as JSON artifacts.
-    cargo test --release --no-run --message-format=json --test conformance --test kernel_nvrtc \
-        --test cuda_backend \
+    # Test binaries (the library's): cargo prints their paths as JSON artifacts.
+    cargo test -p gpupool --release --no-run --message-format=json --test conformance \
+        --test kernel_nvrtc --test cuda_backend \
         | python3 -c '
 import json, sys, shutil, os
 out = sys.argv[1]
@@ -59,7 +60,9 @@ for line in sys.stdin:
         shutil.copy(m["executable"], os.path.join(out, name))
         print("bundled test", name)
 ' "$bundle"
-    cargo build --release --bin gpupool --lib
+    # The C ABI's shared library (the library crate) and the CLI (the tools crate).
+    cargo build --release -p gpupool --lib
+    cargo build --release -p gpupool-tools --bin gpupool
     cp target/release/gpupool target/release/libgpupool.so "$bundle/"
     strip "$bundle"/* 2>/dev/null || true
     du -sh "$bundle"

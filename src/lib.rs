@@ -9,21 +9,16 @@
 #![warn(missing_docs)]
 
 pub mod backend;
-pub mod bench;
 pub mod collective;
 pub mod compact;
 pub mod config;
-pub mod demo;
 mod error;
 pub mod export;
 pub mod ffi;
 pub mod pool;
 mod ptr;
 pub mod runtime;
-pub mod stress;
 pub mod topology;
-pub mod trace;
-pub mod train;
 
 pub use backend::{Backend, DeviceInfo, Move};
 pub use compact::{CompactOptions, CompactReport, MovableBlock, Pinned};

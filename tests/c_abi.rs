@@ -81,10 +81,18 @@ fn c_program_exercises_the_whole_abi() {
     );
     assert!(stdout.contains(" 0 failed"), "{stdout}");
     assert!(stdout.contains("0 errors"), "{stdout}");
-    // The pickle it wrote loads in the reader of PyTorch snapshots.
+    // The pickle it wrote loads, in PyTorch's snapshot layout (the trace
+    // readers' round trip of that layout: tools/tests/export_roundtrip.rs).
     let bytes = std::fs::read(out.join("abi_snapshot.pickle")).unwrap();
-    let traces = gpupool::trace::parse_all("abi_snapshot.pickle", &bytes).unwrap();
-    assert!(!traces.is_empty());
+    let v = serde_pickle::value_from_slice(&bytes, serde_pickle::DeOptions::new()).unwrap();
+    let serde_pickle::Value::Dict(root) = v else {
+        panic!("abi_snapshot.pickle is not a dict: {v:?}")
+    };
+    let traces = root.get(&serde_pickle::HashableValue::String("device_traces".into()));
+    assert!(
+        matches!(traces, Some(serde_pickle::Value::List(t)) if !t.is_empty()),
+        "{traces:?}"
+    );
 }
 
 #[cfg(target_os = "linux")]

@@ -1,179 +1,25 @@
-//! Snapshot export: the pickle in PyTorch's layout reads back through the
-//! project's own PyTorch-snapshot reader with the same live blocks, loads
-//! in Python's `pickle` with PyTorch's keys, and the JSON parses.
+//! Snapshot export: the pickle in PyTorch's layout has PyTorch's keys and
+//! loads in Python's `pickle`, and the JSON parses. (That the pickle reads
+//! back through gpupool's own PyTorch-snapshot reader with the same live
+//! blocks is tested with the reader, in `tools/tests/export_roundtrip.rs`.)
 
-use gpupool::backend::sim::SimBackend;
-use gpupool::export::{snapshot_to_json, snapshot_to_pickle, snapshot_to_torch};
-use gpupool::pool::{BlockState, Snapshot};
-use gpupool::trace::{Trace, TraceEvent};
-use gpupool::{BackendKind, Runtime, SimConfig};
-use std::collections::HashMap;
-use std::time::Duration;
+use gpupool::export::{snapshot_to_json, snapshot_to_torch, Value};
 
 mod common;
+#[path = "common/snapshots.rs"]
+mod snapshots;
 
-const MIB: usize = 1 << 20;
-
-fn sim_runtime(devices: usize) -> Runtime {
-    Runtime::builder()
-        .backend(BackendKind::Sim(SimConfig {
-            devices,
-            capacity_bytes: 256 << 20,
-            ..Default::default()
-        }))
-        .build()
-        .unwrap()
-}
-
-/// Requested sizes of the blocks live at the end of a trace, sorted.
-fn live_after(trace: &Trace) -> Vec<u64> {
-    let mut live: HashMap<u64, u64> = HashMap::new();
-    for e in &trace.events {
-        match *e {
-            TraceEvent::Alloc { id, size, .. } => {
-                live.insert(id, size);
-            }
-            TraceEvent::Free { id, .. } => {
-                live.remove(&id).expect("free of a live block");
-            }
-        }
-    }
-    let mut v: Vec<u64> = live.into_values().collect();
-    v.sort_unstable();
-    v
-}
-
-/// Requested sizes of the snapshot's live blocks, sorted.
-fn live_in(snap: &Snapshot) -> Vec<u64> {
-    let mut v: Vec<u64> = snap
-        .segments
-        .iter()
-        .flat_map(|s| &s.blocks)
-        .filter(|b| b.state == BlockState::ActiveAllocated)
-        .map(|b| b.requested_size)
-        .collect();
-    v.sort_unstable();
-    v
-}
-
-/// Two devices with blocks live before recording started (some freed
-/// during it), blocks allocated and freed while recording, a pending
-/// cross-stream free, and live blocks of every size path.
-fn workload_snapshots(rt: &Runtime) -> Vec<Snapshot> {
-    let d0 = rt.device(0).unwrap();
-    let d1 = rt.device(1).unwrap();
-    let (s, s2) = (d0.new_stream().unwrap(), d0.new_stream().unwrap());
-    let t = d1.new_stream().unwrap();
-
-    // Live before recording.
-    let a = d0.alloc_raw(1000, &s).unwrap();
-    let b = d0.alloc(3 * MIB, &s).unwrap();
-    let c = d0.alloc_raw(70_000, &s).unwrap();
-    let x = d1.alloc_raw(12_345, &t).unwrap();
-    d0.record_history(true);
-    d1.record_history(true);
-
-    d0.free_raw(a, &s).unwrap(); // a pre-live block freed while recording
-    let d = d0.alloc_raw(5000, &s).unwrap();
-    let e = d0.alloc(9 * MIB + 17, &s).unwrap();
-    let f = d0.alloc(300, &s).unwrap();
-    drop(e);
-    let again = d0.alloc_raw(1000, &s).unwrap(); // may reuse `a`'s slot
-    let pending = d0.alloc_raw(4096, &s).unwrap();
-    d0.record_stream_raw(pending, &s2).unwrap();
-    d0.backend()
-        .as_any()
-        .downcast_ref::<SimBackend>()
-        .unwrap()
-        .stall_stream(0, s2.handle(), Duration::from_millis(200))
-        .unwrap();
-    d0.free_raw(pending, &s).unwrap();
-
-    let y = d1.alloc_raw(64 << 10, &t).unwrap();
-    let z = d1.alloc_raw(2 * MIB + 1, &t).unwrap();
-    d1.free_raw(y, &t).unwrap();
-
-    let snaps = vec![d0.snapshot(), d1.snapshot()];
-    assert!(
-        snaps[0]
-            .segments
-            .iter()
-            .flat_map(|g| &g.blocks)
-            .any(|b| b.state == BlockState::ActivePendingFree),
-        "the cross-stream free is pending in the snapshot"
-    );
-    for p in [c, d, again] {
-        d0.free_raw(p, &s).unwrap();
-    }
-    for p in [x, z] {
-        d1.free_raw(p, &t).unwrap();
-    }
-    drop((b, f));
-    snaps
-}
-
-#[test]
-fn pickle_round_trips_through_the_torch_snapshot_reader() {
-    let rt = sim_runtime(2);
-    let snaps = workload_snapshots(&rt);
-    let bytes = snapshot_to_pickle(&snaps);
-    let traces = gpupool::trace::parse_all("gpupool.pickle", &bytes).unwrap();
-    assert_eq!(traces.len(), 2, "one trace per device");
-    for (d, snap) in snaps.iter().enumerate() {
-        let trace = traces
-            .iter()
-            .find(|t| t.name.ends_with(&format!("#dev{d}")))
-            .unwrap_or_else(|| panic!("no trace for device {d}"));
-        trace.validate().unwrap();
-        let want = live_in(snap);
-        assert!(!want.is_empty());
-        assert_eq!(live_after(trace), want, "device {d}: live blocks");
-        // Reserved bytes at dump time are the segments' sizes.
-        let reserved: u64 = snap.segments.iter().map(|s| s.total_size).sum();
-        assert_eq!(reserved, snap.stats.reserved_bytes.current);
-        assert_eq!(trace.baseline_peak_reserved, Some(reserved));
-    }
-    // Device 0: the pre-live `a` was freed during recording, so the trace
-    // starts with it allocated (rule 1) and frees it.
-    assert!(traces
-        .iter()
-        .find(|t| t.name.ends_with("#dev0"))
-        .unwrap()
-        .events
-        .iter()
-        .any(|e| matches!(e, TraceEvent::Alloc { size: 1000, .. })));
-}
-
-#[test]
-fn pickle_without_history_still_gives_the_live_blocks() {
-    let rt = sim_runtime(1);
-    let d0 = rt.device(0).unwrap();
-    let s = d0.new_stream().unwrap();
-    let blocks: Vec<_> = [100usize, 5000, 300_000, 5 * MIB]
-        .iter()
-        .map(|&n| d0.alloc(n, &s).unwrap())
-        .collect();
-    let snap = d0.snapshot();
-    assert!(snap.history.is_empty());
-    let trace = gpupool::trace::parse(
-        "one.pickle",
-        &snapshot_to_pickle(std::slice::from_ref(&snap)),
-    )
-    .unwrap();
-    assert_eq!(live_after(&trace), live_in(&snap));
-    drop(blocks);
-}
+use snapshots::{sim_runtime, workload_snapshots};
 
 #[test]
 fn torch_layout_has_pytorchs_keys() {
-    use serde_pickle::{HashableValue, Value};
     let rt = sim_runtime(2);
     let snaps = workload_snapshots(&rt);
     let v = snapshot_to_torch(&snaps);
     let Value::Dict(root) = v else {
         panic!("not a dict")
     };
-    let key = |k: &str| HashableValue::String(k.into());
+    let key = |k: &str| k.to_string();
     let Some(Value::List(traces)) = root.get(&key("device_traces")) else {
         panic!("no device_traces")
     };

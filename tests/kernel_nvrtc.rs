@@ -32,33 +32,6 @@ fn require_nvrtc() -> bool {
     std::env::var("GPUPOOL_REQUIRE_NVRTC").as_deref() == Ok("1")
 }
 
-/// The training harness's kernels (`kernels/harness.cu`) compile too.
-#[test]
-fn nvrtc_compiles_the_harness_kernels() {
-    if !kernel::nvrtc_available() {
-        assert!(
-            !require_nvrtc(),
-            "GPUPOOL_REQUIRE_NVRTC=1 but libnvrtc could not be loaded"
-        );
-        common::missing(NO_NVRTC);
-        return;
-    }
-    for arch in ["sm_90", "sm_80"] {
-        let ptx =
-            gpupool::train::compile_harness_ptx(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
-        for entry in ["gpupool_pattern", "gpupool_axpy"] {
-            assert!(
-                ptx.contains(&format!(".entry {entry}")),
-                "{arch}: no {entry}"
-            );
-        }
-        eprintln!(
-            "kernel_nvrtc: compiled harness.cu for {arch}: {} bytes of PTX",
-            ptx.len()
-        );
-    }
-}
-
 /// Whether `ptx` moves 16 bytes per load or store somewhere: a 128-bit
 /// vector access, however this NVVM spells it (`ld.global.v4.u32`,
 /// `.v4.b32`, `.v2.u64`, `.v2.b64`, `.b128`, `.v8.b32` ...).

@@ -5,7 +5,7 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     for name in ["fuzz.pickle", "fuzz.csv"] {
-        if let Ok(t) = gpupool::trace::parse(name, data) {
+        if let Ok(t) = gpupool_tools::trace::parse(name, data) {
             // Touch the derived figures too.
             let _ = (t.allocs(), t.frees(), t.id_bound(), t.peak_live_bytes());
         }

@@ -34,14 +34,16 @@ mod movable;
 mod pass;
 pub(crate) mod planner;
 
+pub use crate::pool::CompactReport;
 pub use movable::{MovableBlock, Pinned};
 
 use crate::error::Result;
-use crate::pool::{DevicePool, PoolShared};
+use crate::pool::{DevicePool, MovableArena, PoolShared};
 use arena::ArenaState;
 use parking_lot::{Mutex, MutexGuard};
+use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// The movable arena of one pool: its state behind a mutex, and the held
 /// bytes (pending frees and reserved destinations) readable without it.
@@ -91,16 +93,16 @@ impl Arena {
             held: &self.held,
         }
     }
+}
 
-    /// Bytes held back now: movable frees waiting on events and
-    /// destinations reserved by a pass (counted as pending in the stats).
-    pub(crate) fn held_bytes(&self) -> u64 {
+/// The pool's paths (stats, audit, trim, teardown, maintenance) reach the
+/// arena through the interface the pool defines.
+impl MovableArena for Arena {
+    fn held_bytes(&self) -> u64 {
         self.held.load(Relaxed)
     }
 
-    /// For the audit: checks the arena and returns (region bytes, live,
-    /// held, free).
-    pub(crate) fn audit(&self) -> std::result::Result<(u64, u64, u64, u64), String> {
+    fn audit(&self) -> std::result::Result<(u64, u64, u64, u64), String> {
         let st = self.lock();
         st.check()?;
         let f = st.figures();
@@ -110,9 +112,7 @@ impl Arena {
         Ok(f)
     }
 
-    /// Synchronizes and releases everything pending, and destroys the
-    /// compaction stream (pool teardown).
-    pub(crate) fn teardown(&self, pool: &PoolShared) {
+    fn teardown(&self, pool: &PoolShared) {
         let mut st = self.lock();
         pass::sync_all(pool, &mut st);
         if let Some(s) = st.stream.take() {
@@ -125,13 +125,11 @@ impl Arena {
         }
     }
 
-    /// Synchronizes pending movable frees and any pass in flight (`trim`).
-    pub(crate) fn trim(&self, pool: &PoolShared) {
+    fn trim(&self, pool: &PoolShared) {
         pass::sync_all(pool, &mut self.lock());
     }
 
-    /// The non-blocking step of `maintain`: harvest and commit.
-    pub(crate) fn service(&self, pool: &PoolShared) -> CompactReport {
+    fn service(&self, pool: &PoolShared) -> CompactReport {
         let t0 = Instant::now();
         let s = pass::service(pool, &mut self.lock());
         CompactReport {
@@ -144,6 +142,27 @@ impl Arena {
             ..Default::default()
         }
     }
+
+    fn idle_pass(&self, pool: &PoolShared) -> Result<CompactReport> {
+        let opts = CompactOptions {
+            wait: false,
+            ..CompactOptions::from_config(pool.cfg())
+        };
+        run(pool, opts)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// The movable arena of `pool`, installed in the pool's slot on first use.
+pub(crate) fn arena_of(pool: &PoolShared) -> &Arena {
+    pool.movable()
+        .get_or_install(|region_bytes| Box::new(Arena::new(region_bytes)))
+        .as_any()
+        .downcast_ref::<Arena>()
+        .expect("only compaction installs a pool's movable arena")
 }
 
 /// Options of one compaction pass ([`DevicePool::compact`]).
@@ -190,39 +209,6 @@ impl CompactOptions {
     }
 }
 
-/// What one [`DevicePool::compact`] call (or an idle-time pass) did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct CompactReport {
-    /// Blocks and bytes whose moves were committed during this call (the
-    /// pass it started, when it waited, and any earlier pass it found done).
-    pub blocks_moved: u64,
-    /// See `blocks_moved`.
-    pub bytes_moved: u64,
-    /// Blocks and bytes of the pass this call enqueued (0 when there was
-    /// nothing to move or another pass was still in flight).
-    pub blocks_planned: u64,
-    /// See `blocks_planned`.
-    pub bytes_planned: u64,
-    /// Planned moves dropped at commit: a pin cancelled them, or the block
-    /// was freed meanwhile.
-    pub moves_cancelled: u64,
-    /// Movable regions emptied and given back to the pool's heap.
-    pub regions_released: u64,
-    /// Device memory given back to the device by this call.
-    pub bytes_released: u64,
-    /// Whether a pass was committed during this call.
-    pub committed: bool,
-    /// Whether a pass is still in flight when the call returns.
-    pub in_flight: bool,
-    /// Wall time of the call.
-    #[serde(serialize_with = "ser_duration")]
-    pub duration: Duration,
-}
-
-fn ser_duration<S: serde::Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
-    s.serialize_f64(d.as_secs_f64())
-}
-
 /// Lifetime totals of a pool's compaction.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct CompactTotals {
@@ -257,55 +243,12 @@ impl DevicePool {
     /// allocations, frees and pins on other threads are never blocked
     /// longer than the planning step.
     pub fn compact(&self, opts: CompactOptions) -> Result<CompactReport> {
-        let shared = self.shared();
-        shared.ensure_live()?;
-        let t0 = Instant::now();
-        let reserved0 = shared.reserved_now();
-        let arena = shared.arena();
-        let mut r = CompactReport::default();
-        let budget = planner::Budget {
-            max_bytes: opts.max_bytes,
-            max_blocks: opts.max_blocks,
-        };
-        let mut st = arena.lock();
-        if opts.wait {
-            if let Some(p) = &st.pass {
-                // Finish the earlier pass first, so that this call can run
-                // one. The lock is not held while the host waits. (Frees
-                // whose last uses are still queued are not waited for: that
-                // would tie this call to the users' streams.)
-                let ev = p.done;
-                drop(st);
-                pass::sync_pass(shared, ev)?;
-                st = arena.lock();
-            }
-        }
-        absorb(&mut r, pass::service(shared, &mut st));
-        let started = pass::start(shared, &mut st, budget)?;
-        if let Some(s) = started {
-            r.blocks_planned = s.blocks;
-            r.bytes_planned = s.bytes;
-            if opts.wait {
-                let ev = st.pass.as_ref().expect("just started").done;
-                drop(st);
-                pass::sync_pass(shared, ev)?;
-                st = arena.lock();
-                absorb(&mut r, pass::service(shared, &mut st));
-            }
-        }
-        r.in_flight = st.pass.is_some();
-        drop(st);
-        if opts.release && r.regions_released > 0 {
-            shared.release_cached_memory();
-        }
-        r.bytes_released = reserved0.saturating_sub(shared.reserved_now());
-        r.duration = t0.elapsed();
-        Ok(r)
+        run(self.shared(), opts)
     }
 
     /// Lifetime compaction totals of this pool.
     pub fn compact_totals(&self) -> CompactTotals {
-        let t = self.shared().arena().lock().totals;
+        let t = arena_of(self.shared()).lock().totals;
         CompactTotals {
             passes: t.passes,
             bytes_moved: t.bytes_moved,
@@ -317,7 +260,7 @@ impl DevicePool {
 
     /// Movable memory now.
     pub fn movable_usage(&self) -> MovableUsage {
-        let st = self.shared().arena().lock();
+        let st = arena_of(self.shared()).lock();
         let (region_bytes, live, _, _) = st.figures();
         MovableUsage {
             regions: st.regions.len() as u64,
@@ -325,6 +268,53 @@ impl DevicePool {
             live_bytes: live,
         }
     }
+}
+
+/// One [`DevicePool::compact`] call on `shared`.
+fn run(shared: &PoolShared, opts: CompactOptions) -> Result<CompactReport> {
+    shared.ensure_live()?;
+    let t0 = Instant::now();
+    let reserved0 = shared.reserved_now();
+    let arena = arena_of(shared);
+    let mut r = CompactReport::default();
+    let budget = planner::Budget {
+        max_bytes: opts.max_bytes,
+        max_blocks: opts.max_blocks,
+    };
+    let mut st = arena.lock();
+    if opts.wait {
+        if let Some(p) = &st.pass {
+            // Finish the earlier pass first, so that this call can run
+            // one. The lock is not held while the host waits. (Frees
+            // whose last uses are still queued are not waited for: that
+            // would tie this call to the users' streams.)
+            let ev = p.done;
+            drop(st);
+            pass::sync_pass(shared, ev)?;
+            st = arena.lock();
+        }
+    }
+    absorb(&mut r, pass::service(shared, &mut st));
+    let started = pass::start(shared, &mut st, budget)?;
+    if let Some(s) = started {
+        r.blocks_planned = s.blocks;
+        r.bytes_planned = s.bytes;
+        if opts.wait {
+            let ev = st.pass.as_ref().expect("just started").done;
+            drop(st);
+            pass::sync_pass(shared, ev)?;
+            st = arena.lock();
+            absorb(&mut r, pass::service(shared, &mut st));
+        }
+    }
+    r.in_flight = st.pass.is_some();
+    drop(st);
+    if opts.release && r.regions_released > 0 {
+        shared.release_cached_memory();
+    }
+    r.bytes_released = reserved0.saturating_sub(shared.reserved_now());
+    r.duration = t0.elapsed();
+    Ok(r)
 }
 
 fn absorb(r: &mut CompactReport, s: pass::Serviced) {

@@ -2,7 +2,7 @@
 //! may change, and the pin that holds it in place for one stream.
 
 use super::arena::{PendingFree, UNIT};
-use super::pass;
+use super::{arena_of, pass};
 use crate::error::Result;
 use crate::pool::{DevicePool, Kind, Stream, StreamCore};
 use crate::ptr::DevicePtr;
@@ -57,7 +57,7 @@ impl DevicePool {
         let shared = self.shared();
         shared.check_request(size as u64, stream)?;
         let len = (size as u64).div_ceil(UNIT) * UNIT;
-        let arena = shared.arena();
+        let arena = arena_of(shared);
         let max = arena.lock().max_block();
         let place = if len > max {
             let (ptr, kind) = shared.alloc_plain(size as u64, stream)?;
@@ -121,7 +121,7 @@ impl<'a> MovableBlock<'a> {
         let ptr = match self.place {
             Place::Fixed { ptr, .. } => ptr,
             Place::Arena { id, gen, .. } => {
-                let mut st = self.pool.shared().arena().lock();
+                let mut st = arena_of(self.pool.shared()).lock();
                 let e = st.entry(id, gen);
                 e.pins += 1;
                 let cancelled = e.moving.take().is_some();
@@ -152,7 +152,7 @@ impl<'a> MovableBlock<'a> {
                 } else {
                     None
                 };
-                let mut st = shared.arena().lock();
+                let mut st = arena_of(shared).lock();
                 let e = st.entry(id, gen);
                 e.pins -= 1;
                 let h = stream.handle();
@@ -191,7 +191,7 @@ impl Drop for MovableBlock<'_> {
                 shared.free_block(ptr, kind, self.size as u64, self.stream, &extra)
             }
             Place::Arena { id, len, .. } => {
-                let mut st = shared.arena().lock();
+                let mut st = arena_of(shared).lock();
                 let (addr, l, mut events, mut unrecorded) = st.free_block(id);
                 debug_assert_eq!(l, len);
                 // Work on the block's own and recorded streams counts as a

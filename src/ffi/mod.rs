@@ -41,18 +41,20 @@
 //!
 //! # Logging
 //!
-//! When `GPUPOOL_LOG` is set (an `EnvFilter` string such as `info` or
-//! `gpupool=debug`), the first successful [`gpupool_init`] installs a
+//! When `GPUPOOL_LOG` is set (a filter such as `info` or `gpupool=debug`,
+//! `EnvFilter`'s basic form), the first successful [`gpupool_init`]
+//! installs a `tracing` subscriber that prints gpupool's events on stderr
+//! (`log`); a process that already has a subscriber keeps its own.
 //!
 //! # Layout
 //!
 //! One file per concept: `status` (status codes, failures, the thread's
 //! last-call message, the panic-catching wrappers), `state` (the
 //! process-wide runtime, its lifecycle, device and stream checks), `text`
-//! (C strings in, the buffer protocol out), then the calls: `alloc`,
-//! `streams`, `stats`, `limits` (memory limit, out-of-memory callback, ABI
-//! version), `snapshot` (snapshots and history), `trim`, and `torch`
-//! (PyTorch's hooks).
+//! (C strings in, the buffer protocol out), `log` (`GPUPOOL_LOG`), then
+//! the calls: `alloc`, `streams`, `stats`, `limits` (memory limit,
+//! out-of-memory callback, ABI version), `snapshot` (snapshots and
+//! history), `trim`, and `torch` (PyTorch's hooks).
 //!
 //! Invariant: the modules holding `extern "C"` functions are declared below
 //! in the order of `include/gpupool.h`. cbindgen writes functions in the
@@ -96,6 +98,8 @@ mod torch;
 
 // No `extern "C"` functions.
 mod text;
+// GPUPOOL_LOG's stderr subscriber (no extern functions).
+mod log;
 
 pub use alloc::{gpupool_alloc, gpupool_free, gpupool_record_stream};
 pub use limits::{

@@ -76,17 +76,14 @@ fn install_logging() -> FResult<()> {
     if filter.trim().is_empty() || LOG_INSTALLED.load(Ordering::Acquire) {
         return Ok(());
     }
-    let env = tracing_subscriber::EnvFilter::try_new(&filter).map_err(|e| {
+    let parsed = super::log::Filter::parse(&filter).map_err(|msg| {
         Fail::from(Error::Config {
             key: "GPUPOOL_LOG".into(),
-            msg: format!("{filter:?}: {e}"),
+            msg,
         })
     })?;
     // Fails only when the process already has a subscriber: keep that one.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(env)
-        .with_writer(std::io::stderr)
-        .try_init();
+    super::log::install(parsed);
     LOG_INSTALLED.store(true, Ordering::Release);
     Ok(())
 }

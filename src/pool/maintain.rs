@@ -14,7 +14,7 @@
 //! to move, and stops for the rest of the idle period once a pass finds
 //! nothing, so an idle, compact pool costs nothing.
 
-use super::DevicePool;
+use super::{CompactReport, DevicePool};
 use std::time::{Duration, Instant};
 
 /// What one [`DevicePool::maintain`] call did.
@@ -31,7 +31,7 @@ pub struct MaintainReport {
     pub flushed: bool,
     /// Compaction work of this call: commits of finished passes, and the
     /// idle-time pass it started, if any (`None` when nothing happened).
-    pub compaction: Option<crate::compact::CompactReport>,
+    pub compaction: Option<CompactReport>,
 }
 
 /// Traffic seen by the previous `maintain` call.
@@ -73,7 +73,7 @@ impl DevicePool {
             idle.compacted = false;
         }
         let idle_for = now - idle.since;
-        let mut compaction = Some(self.shared.arena().service(&self.shared));
+        let mut compaction = Some(self.shared.movable().service(&self.shared));
         if let Some(c) = compaction.as_mut().filter(|c| c.regions_released > 0) {
             if self.shared.cfg().compact_release {
                 c.bytes_released += self.shared.release_cached_memory();
@@ -81,11 +81,7 @@ impl DevicePool {
         }
         let due = self.shared.cfg().idle.is_some_and(|d| idle_for >= d);
         if due && !idle.compacted {
-            let opts = crate::compact::CompactOptions {
-                wait: false,
-                ..crate::compact::CompactOptions::from_config(self.shared.cfg())
-            };
-            match self.compact(opts) {
+            match self.shared.movable().idle_pass(&self.shared) {
                 Ok(r) => {
                     // Nothing planned and nothing in flight: compact for now.
                     idle.compacted = r.blocks_planned == 0 && !r.in_flight;
@@ -108,11 +104,8 @@ impl DevicePool {
 }
 
 /// Sums the service step's report and the pass's.
-fn merge(
-    a: crate::compact::CompactReport,
-    b: crate::compact::CompactReport,
-) -> crate::compact::CompactReport {
-    crate::compact::CompactReport {
+fn merge(a: CompactReport, b: CompactReport) -> CompactReport {
+    CompactReport {
         blocks_moved: a.blocks_moved + b.blocks_moved,
         bytes_moved: a.bytes_moved + b.bytes_moved,
         blocks_planned: b.blocks_planned,

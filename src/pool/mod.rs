@@ -49,6 +49,8 @@ mod stream;
 pub(crate) mod sync;
 
 pub use block::Block;
+pub use compact_hooks::CompactReport;
+pub(crate) use compact_hooks::MovableArena;
 pub use limits::OomCallback;
 pub use maintain::MaintainReport;
 pub use plan::PlanStats;
@@ -133,8 +135,8 @@ pub(crate) struct PoolShared {
     /// Held by the runtime's maintenance thread during a tick and by
     /// `audit`, so that an audit never sees a harvest half done.
     maint_gate: Mutex<()>,
-    /// Movable blocks and compaction (`src/compact/`).
-    movable: crate::compact::Arena,
+    /// Movable blocks: the arena compaction (`src/compact/`) installs.
+    movable: compact_hooks::MovableSlot,
     /// The memory limit (shared with the heap) and the out-of-memory
     /// observer (`limits.rs`).
     limits: limits::PoolLimits,
@@ -249,7 +251,7 @@ impl DevicePool {
             flush_wanted: AtomicBool::new(false),
             idle: Mutex::new(maintain::IdleState::default()),
             maint_gate: Mutex::new(()),
-            movable: crate::compact::Arena::new(gran.max(2 << 20).next_power_of_two()),
+            movable: compact_hooks::MovableSlot::new(gran.max(2 << 20).next_power_of_two()),
             limits: pool_limits,
             plans: plan::Plans::new(),
             backend,

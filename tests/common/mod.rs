@@ -1,5 +1,6 @@
-//! Shared by the integration tests: what to do when a test's data or tool
-//! is missing.
+//! Shared by the integration tests of both crates (the tools crate's tests
+//! include this file by path): what to do when a test's data or tool is
+//! missing, and where the repository is.
 //!
 //! Outside CI a test may skip, printing why. Under `CI=true` a missing
 //! prerequisite is a failure: CI has every data set and tool these tests
@@ -53,7 +54,17 @@ pub fn require_tool(program: &str) -> Option<String> {
     }
 }
 
+/// The repository root: the library's package folder, whichever crate's
+/// test includes this file (the tools crate is `tools/`, one below it).
+pub fn repo_root() -> PathBuf {
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    here.ancestors()
+        .find(|d| d.join("tools/Cargo.toml").is_file())
+        .unwrap_or(here)
+        .to_path_buf()
+}
+
 /// The real traces next to the repository (`../shared/traces`).
 pub fn shared_traces() -> Option<PathBuf> {
-    require_path(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/traces"))
+    require_path(repo_root().join("../shared/traces"))
 }

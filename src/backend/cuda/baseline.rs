@@ -12,7 +12,9 @@
 //! calls them), so they are resolved here first and a driver without them
 //! gives a typed error.
 
-use super::{check, resolve_symbols, stream_of, CudaBackend};
+use super::driver::{check, resolve_symbols};
+use super::streams::stream_of;
+use super::CudaBackend;
 use crate::error::Result;
 use crate::ptr::{DevicePtr, StreamHandle};
 use cudarc::driver::sys;

@@ -14,11 +14,23 @@
 //! thread-local cell tests it without a driver; [`Driver`] is the real one
 //! (`cuCtxGetCurrent` / `cuCtxSetCurrent`).
 
-use super::{check, Ctx};
+use super::driver::check;
 use crate::error::Result;
 use cudarc::driver::sys;
 use std::marker::PhantomData;
 use std::ptr;
+
+/// A context handle (null: none), shareable between threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ctx(pub(super) sys::CUcontext);
+
+// SAFETY: a CUcontext is an opaque driver handle, not memory Rust reads or
+// writes. The driver API is thread safe and a context may be made current on
+// (and used from) any thread, which is exactly how this module uses it.
+unsafe impl Send for Ctx {}
+// SAFETY: as above; sharing the handle value only lets threads pass it to
+// the (thread-safe) driver.
+unsafe impl Sync for Ctx {}
 
 /// A thread's "current context" slot.
 pub(crate) trait CurrentContext {
