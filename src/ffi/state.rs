@@ -151,7 +151,11 @@ impl State {
         // Built on first use; the C out-of-memory callback is hooked to
         // each pool once, when the ABI first sees it.
         let pool = self.rt.device(d)?;
-        if !self.oom_hooked[d].swap(true, Ordering::AcqRel) {
+        // A load first: the swap is a write to a line every thread shares,
+        // and this runs on every call.
+        if !self.oom_hooked[d].load(Ordering::Acquire)
+            && !self.oom_hooked[d].swap(true, Ordering::AcqRel)
+        {
             pool.on_oom(Box::new(call_oom_callback));
         }
         Ok(pool)

@@ -210,6 +210,18 @@ fn set_message(msg: &str) {
     });
 }
 
+/// After a success: the message becomes `""`, with no allocation when it
+/// already is (every call on the fast path succeeds).
+fn clear_message() {
+    let _ = LAST_ERROR.try_with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            if !l.as_bytes().is_empty() {
+                *l = CString::default();
+            }
+        }
+    });
+}
+
 pub(super) fn set_needed(n: usize) {
     let _ = NEEDED.try_with(|c| c.set(n));
 }
@@ -234,7 +246,7 @@ pub(super) fn run<T>(name: &'static str, body: impl FnOnce() -> FResult<T>) -> F
         )),
     };
     match &r {
-        Ok(_) => set_message(""),
+        Ok(_) => clear_message(),
         Err(f) => {
             let msg = format!("{name}: {}", f.msg);
             tracing::debug!(status = f.status.name(), "{msg}");

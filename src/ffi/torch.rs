@@ -36,10 +36,18 @@ pub extern "C" fn gpupool_torch_malloc(
         if size == 0 {
             return Ok(std::ptr::null_mut());
         }
-        ensure_init()?;
-        let p = with_state(|st| {
-            st.with_stream(device, stream, |pool, s| Ok(pool.alloc_raw(size, s)?))
-        })?;
+        let alloc = || {
+            with_state(|st| st.with_stream(device, stream, |pool, s| Ok(pool.alloc_raw(size, s)?)))
+        };
+        // One read of the global state on the fast path; the first call
+        // initializes from `GPUPOOL_CONF` and tries again.
+        let p = match alloc() {
+            Err(f) if f.status == GpupoolStatus::NotInitialized => {
+                ensure_init()?;
+                alloc()?
+            }
+            r => r?,
+        };
         Ok(p.addr() as usize as *mut c_void)
     });
     r.unwrap_or_else(|_| {

@@ -115,6 +115,9 @@ pub(crate) struct PoolShared {
     /// Extra streams recorded for raw pointers (`gpupool_record_stream`)
     /// and for blocks ([`Block::record_stream`]), by address.
     recorded_streams: Mutex<HashMap<u64, Vec<Arc<StreamCore>>>>,
+    /// Entries of `recorded_streams`: a raw free reads this instead of
+    /// taking that mutex when nothing is recorded (the common case).
+    recorded_entries: std::sync::atomic::AtomicUsize,
     /// Slots of retired streams still in other threads' magazines.
     tombs: Mutex<orphans::Tombs>,
     /// Whether alloc and free events are recorded (one relaxed load on the
@@ -243,6 +246,7 @@ impl DevicePool {
             streams: StreamRegistry::new(),
             counters: Counters::new(),
             recorded_streams: Mutex::new(HashMap::default()),
+            recorded_entries: std::sync::atomic::AtomicUsize::new(0),
             tombs: Mutex::new(HashMap::default()),
             recording: AtomicBool::new(false),
             history: Mutex::new(History::default()),
@@ -1307,18 +1311,33 @@ impl PoolShared {
     /// Removes and returns the streams recorded for the allocation at
     /// `addr` (none if there are none).
     pub(crate) fn take_recorded_streams(&self, addr: u64) -> Vec<Arc<StreamCore>> {
-        let mut m = self.recorded_streams.lock();
-        if m.is_empty() {
+        // A record_stream happens before the free it orders (the caller's
+        // contract), so a count of 0 read here means none for `addr`.
+        if self
+            .recorded_entries
+            .load(std::sync::atomic::Ordering::Acquire)
+            == 0
+        {
             return Vec::new();
         }
-        m.remove(&addr).unwrap_or_default()
+        let mut m = self.recorded_streams.lock();
+        let v = m.remove(&addr);
+        if v.is_some() {
+            self.recorded_entries
+                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        }
+        v.unwrap_or_default()
     }
 
     /// Records that the allocation at `addr` is used on stream `s` too
     /// (once per stream).
     pub(crate) fn add_recorded_stream(&self, addr: u64, s: &Arc<StreamCore>) {
         let mut m = self.recorded_streams.lock();
-        let v = m.entry(addr).or_default();
+        let v = m.entry(addr).or_insert_with(|| {
+            self.recorded_entries
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            Vec::new()
+        });
         if !v.iter().any(|c| Arc::ptr_eq(c, s)) {
             v.push(s.clone());
         }
@@ -1436,6 +1455,8 @@ impl PoolShared {
         let _ = self.sync_pending();
         self.plan_teardown();
         let recorded = std::mem::take(&mut *self.recorded_streams.lock());
+        self.recorded_entries
+            .store(0, std::sync::atomic::Ordering::Release);
         for (_, t) in std::mem::take(&mut *self.tombs.lock()) {
             if let Some((w, _)) = t.waits {
                 self.recycle_events(w);

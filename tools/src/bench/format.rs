@@ -65,6 +65,16 @@ impl fmt::Display for BenchReport {
             p.gpupool_small,
         )?;
         row(
+            format!("gpupool small C ABI ({small})"),
+            p.gpupool_small_c_abi,
+            p.gpupool_small,
+        )?;
+        row(
+            format!("gpupool small torch hook ({small})"),
+            p.gpupool_small_torch_hook,
+            p.gpupool_small,
+        )?;
+        row(
             format!("mutex_best_fit ({small})"),
             p.mutex_best_fit,
             p.gpupool_small,

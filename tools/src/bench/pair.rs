@@ -41,6 +41,7 @@ pub(super) fn pair_ns(plan: &Plan) -> Result<PairNs> {
         let p = dev.alloc_raw(small, &s)?;
         dev.free_raw(black_box(p), &s)
     })?;
+    let (gpupool_small_c_abi, gpupool_small_torch_hook) = c_abi_pairs(plan)?;
     // The warm-up frees the range on `s`: every timed pair reuses it.
     let gpupool_large = median_pair_ns(plan, || {
         let b = dev.alloc(large, &s)?;
@@ -78,10 +79,50 @@ pub(super) fn pair_ns(plan: &Plan) -> Result<PairNs> {
         mutex_best_fit,
         offset_allocator,
         gpupool_small_raw,
+        gpupool_small_c_abi,
+        gpupool_small_torch_hook,
         mutex_best_fit_large,
         torch_small,
         torch_large,
         small_bytes: SMALL_BYTES,
         large_bytes: LARGE_BYTES,
     })
+}
+
+/// Small pairs through the C ABI, as a C or PyTorch caller makes them: the
+/// process-wide runtime of the C ABI (started here on the simulator, shut
+/// down after), the default stream.
+fn c_abi_pairs(plan: &Plan) -> Result<(f64, f64)> {
+    use gpupool::ffi::{
+        gpupool_alloc, gpupool_free, gpupool_init, gpupool_shutdown, gpupool_torch_free,
+        gpupool_torch_malloc,
+    };
+    let fail = |what: &str| gpupool::Error::InvalidArgument(format!("C ABI bench: {what} failed"));
+    let conf = c"backend=sim,devices=1,backing=accounting,capacity=8GiB,maint_ms=0";
+    // SAFETY: a NUL-terminated string that outlives the call.
+    if unsafe { gpupool_init(conf.as_ptr()) } != 0 {
+        return Err(fail("gpupool_init"));
+    }
+    let null = std::ptr::null_mut();
+    let c_abi = median_pair_ns(plan, || {
+        let mut p = null;
+        // SAFETY: `p` is valid for one pointer write.
+        if unsafe { gpupool_alloc(SMALL_BYTES as usize, 0, null, &mut p) } != 0 {
+            return Err(fail("gpupool_alloc"));
+        }
+        if gpupool_free(black_box(p), 0, null) != 0 {
+            return Err(fail("gpupool_free"));
+        }
+        Ok(())
+    });
+    let hook = median_pair_ns(plan, || {
+        let p = gpupool_torch_malloc(SMALL_BYTES as libc::ssize_t, 0, null);
+        if p.is_null() {
+            return Err(fail("gpupool_torch_malloc"));
+        }
+        gpupool_torch_free(black_box(p), SMALL_BYTES as libc::ssize_t, 0, null);
+        Ok(())
+    });
+    gpupool_shutdown();
+    Ok((c_abi?, hook?))
 }

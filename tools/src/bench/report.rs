@@ -67,6 +67,12 @@ pub struct PairNs {
     pub offset_allocator: f64,
     /// gpupool, [`SMALL_BYTES`](super::SMALL_BYTES) through `alloc_raw` + `free_raw` (the FFI path).
     pub gpupool_small_raw: f64,
+    /// gpupool, [`SMALL_BYTES`](super::SMALL_BYTES) through the C ABI
+    /// (`gpupool_alloc` + `gpupool_free`, default stream).
+    pub gpupool_small_c_abi: f64,
+    /// gpupool, [`SMALL_BYTES`](super::SMALL_BYTES) through PyTorch's hook
+    /// (`gpupool_torch_malloc` + `gpupool_torch_free`, default stream).
+    pub gpupool_small_torch_hook: f64,
     /// The PyTorch-style baseline, [`LARGE_BYTES`](super::LARGE_BYTES).
     pub mutex_best_fit_large: f64,
     /// PyTorch's caching allocator (the port, behind its device mutex),
