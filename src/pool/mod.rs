@@ -33,6 +33,7 @@ mod loom_tests;
 mod magazine;
 mod maintain;
 mod orphans;
+mod pause;
 mod peer;
 mod pending;
 mod reclaim;
@@ -50,6 +51,7 @@ pub(crate) mod sync;
 pub use block::Block;
 pub use limits::OomCallback;
 pub use maintain::MaintainReport;
+pub use pause::TagInfo;
 pub use size_class::{SizeClasses, ALIGN};
 pub use snapshot::{BlockInfo, BlockState, HistoryAction, HistoryEvent, SegmentInfo, Snapshot};
 pub use stats::{PoolStats, Stat};
@@ -136,6 +138,8 @@ pub(crate) struct PoolShared {
     /// The memory limit (shared with the heap) and the out-of-memory
     /// observer (`limits.rs`).
     limits: limits::PoolLimits,
+    /// Tagged blocks, for pause and resume (`pause.rs`).
+    tags: pause::TagRegistry,
 }
 
 thread_local! {
@@ -247,6 +251,7 @@ impl DevicePool {
             maint_gate: Mutex::new(()),
             movable: crate::compact::Arena::new(gran.max(2 << 20).next_power_of_two()),
             limits: pool_limits,
+            tags: pause::TagRegistry::default(),
             backend,
             cfg,
             info,
@@ -1078,13 +1083,24 @@ impl PoolShared {
             Kind::Large { len } => {
                 self.counters.on_free(requested, len);
                 let addr = ptr.addr();
+                // Tagged blocks are never parked (see `pause.rs`).
+                let tagged = self.tags.forget(addr);
                 let mut h = self.heap.lock();
                 match slot {
                     // The owner word stays: parking is authoritative for
                     // parked ranges (a raw free clears the word first, for
                     // double-free detection), so a park touches no map
                     // but the cache's.
-                    Some(s) if extra.is_empty() => h.exact.put(s, len, addr),
+                    Some(s) if extra.is_empty() && tagged.is_none() => h.exact.put(s, len, addr),
+                    // Paused: unmapped after a host wait, no use remains.
+                    _ if tagged == Some(true) => {
+                        h.heap.free(addr, Tag::Clean).expect("block is allocated");
+                    }
+                    Some(s) if extra.is_empty() => {
+                        h.heap
+                            .free(addr, Tag::Dirty(s))
+                            .expect("block is allocated");
+                    }
                     _ => {
                         let id = h.heap.new_pending_group();
                         h.heap
@@ -1293,7 +1309,7 @@ impl PoolShared {
 
     fn stats(&self) -> PoolStats {
         let (requested, allocated, allocs, frees) = self.counters.totals();
-        let (reserved, heap_pending, overhead, device_allocs, device_frees, releasable) = {
+        let (reserved, heap_pending, overhead, device_allocs, device_frees, releasable, paused) = {
             let h = self.heap.lock_quiet();
             let f = h.heap.figures();
             (
@@ -1303,12 +1319,14 @@ impl PoolShared {
                 h.heap.device_allocs,
                 h.heap.device_frees,
                 h.heap.releasable_bytes(),
+                f.paused,
             )
         };
         let pending = heap_pending
             + self.counters.pending_slot_bytes.load(Relaxed)
             + self.movable.held_bytes();
-        let cached = reserved.saturating_sub(allocated + pending + overhead);
+        // Paused blocks are allocated but hold no device memory.
+        let cached = (reserved + paused).saturating_sub(allocated + pending + overhead);
         let figures = stats::Figures {
             device: self.dev,
             requested,
@@ -1318,6 +1336,7 @@ impl PoolShared {
             cached,
             overhead,
             inactive_split: cached.saturating_sub(releasable),
+            paused,
         };
         PoolStats {
             num_allocs: allocs,
@@ -1367,6 +1386,7 @@ impl PoolShared {
         self.movable.teardown(self);
         let _ = self.sync_pending();
         let recorded = std::mem::take(&mut *self.recorded_streams.lock());
+        let tagged = self.tags.clear();
         for (_, t) in std::mem::take(&mut *self.tombs.lock()) {
             if let Some((w, _)) = t.waits {
                 self.recycle_events(w);
@@ -1396,6 +1416,7 @@ impl PoolShared {
         let killed = self.streams.kill_owned();
         // Dropped last: no core of an owned stream calls the driver now.
         drop(recorded);
+        drop(tagged);
         tracing::debug!(
             device = self.dev,
             streams_destroyed = killed,
