@@ -221,7 +221,9 @@ int gpupool_device_count(int *out);
  * Allocates `size` bytes on `device` for use on `stream` (`NULL`: the
  * default stream) into `*out`. Alignment is at least 256 bytes. The memory
  * is never moved. `size == 0` is `GPUPOOL_STATUS_INVALID_SIZE`, as is a size
- * larger than the device. On any failure `*out` is set to `NULL`.
+ * larger than the device. On any failure `*out` is set to `NULL`. Inside a
+ * `gpupool_set_thread_tag` scope the allocation is tagged (see
+ * `gpupool_alloc_tagged`).
  *
  * # Safety
  * `out` is NULL or valid for one pointer write.
@@ -374,6 +376,60 @@ int gpupool_record_history(int device, int enabled);
  * alloc and free, this waits for pending frees (it blocks the host).
  */
 int gpupool_trim(void);
+
+/**
+ * Like `gpupool_alloc`, under `tag`: the allocation owns whole granules
+ * (granule aligned, its size rounded up to the granularity) so that
+ * `gpupool_pause(tag, ...)` can give its memory back alone. Free it with
+ * `gpupool_free`, paused or not. `GPUPOOL_STATUS_UNSUPPORTED` on a device
+ * without virtual memory management. On any failure `*out` is `NULL`.
+ *
+ * # Safety
+ * `out` is NULL or valid for one pointer write.
+ */
+int gpupool_alloc_tagged(size_t size, int device, void *stream, uint64_t tag, void **out);
+
+/**
+ * Makes `gpupool_alloc` and `gpupool_torch_malloc` on the calling thread
+ * tag their allocations with `tag` (as `gpupool_alloc_tagged` does) until
+ * `gpupool_clear_thread_tag`: a scope for code that allocates through
+ * PyTorch. Needs no runtime; never fails.
+ */
+int gpupool_set_thread_tag(uint64_t tag);
+
+/**
+ * Ends the calling thread's tag scope: its allocations are untagged again.
+ */
+int gpupool_clear_thread_tag(void);
+
+/**
+ * Gives the device memory of every live allocation tagged `tag`, on every
+ * device in use, back to the driver while their addresses stay reserved;
+ * with `save != 0` their bytes are copied to host memory first. Waits on
+ * the host for the streams those allocations were used on (their
+ * allocation stream and recorded streams). Touching a paused allocation
+ * is an illegal address until `gpupool_resume`. Pausing an unknown tag,
+ * or one already paused, releases nothing. `*released` (when not NULL)
+ * gets the bytes released (0 on failure). `GPUPOOL_STATUS_UNSUPPORTED`
+ * without virtual memory management.
+ *
+ * # Safety
+ * `released` is NULL or valid for one `uint64_t` write.
+ */
+int gpupool_pause(uint64_t tag, int save, uint64_t *released);
+
+/**
+ * Maps new device memory under every paused allocation tagged `tag`, at
+ * the same addresses, and restores the bytes saved by `gpupool_pause`
+ * (unsaved contents are undefined). All or nothing per device: on
+ * `GPUPOOL_STATUS_OUT_OF_MEMORY` the device's allocations stay paused
+ * with their saved bytes. Resuming a tag with nothing paused does
+ * nothing. `*mapped` (when not NULL) gets the bytes mapped (0 on failure).
+ *
+ * # Safety
+ * `mapped` is NULL or valid for one `uint64_t` write.
+ */
+int gpupool_resume(uint64_t tag, uint64_t *mapped);
 
 /**
  * The message of the last call on this thread: `""` after a success,

@@ -38,7 +38,9 @@ pub extern "C" fn gpupool_torch_malloc(
         }
         ensure_init()?;
         let p = with_state(|st| {
-            st.with_stream(device, stream, |pool, s| Ok(pool.alloc_raw(size, s)?))
+            st.with_stream(device, stream, |pool, s| {
+                Ok(super::pause::alloc_raw(pool, size, s)?)
+            })
         })?;
         Ok(p.addr() as usize as *mut c_void)
     });
