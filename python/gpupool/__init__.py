@@ -18,13 +18,27 @@ stream. Errors raise :class:`OutOfMemoryError` (a :class:`MemoryError`),
 :class:`ValueError` for bad input (as :class:`InvalidArgumentError`), or
 :class:`Error` for anything else; each carries the C status in ``status``.
 
+Pause and resume (virtual-memory devices; the simulator has it): memory
+allocated under a tag can give its device memory back while its addresses
+stay valid to hold, as vLLM's sleep mode does::
+
+    w = gpupool.alloc(1 << 30, tag="weights")     # or: with gpupool.tag_scope("weights"): ...
+    gpupool.pause("weights", save=True)           # device memory released, bytes kept on the host
+    gpupool.resume("weights")                     # same addresses, bytes restored
+
+Tags are ints (0 to 2**64-1) or strings (hashed to one). A tagged block owns
+whole granules (2 MiB on CUDA). Touching paused memory is an illegal
+address; :func:`pause` waits for the streams the blocks were used on.
+
 Integrations: :mod:`gpupool.torch` (PyTorch's pluggable allocator) and
 :mod:`gpupool.cupy` (CuPy's allocator hook).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import hashlib
 import json
 import numbers
 import os
@@ -56,6 +70,9 @@ __all__ = [
     "record_history",
     "dump_snapshot",
     "trim",
+    "pause",
+    "resume",
+    "tag_scope",
     "on_oom",
     "version",
     "abi_version",
@@ -192,17 +209,32 @@ def device_count() -> int:
 # ---- memory ------------------------------------------------------------------------
 
 
-def alloc(size: int, device: int = 0, stream: int = 0) -> int:
+def _tag(tag) -> int:
+    """A tag as the C ABI's ``uint64_t``: an int as is, a str hashed."""
+    if isinstance(tag, str):
+        return int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "little")
+    return _int(tag, "tag", 0, _U64_MAX)
+
+
+def alloc(size: int, device: int = 0, stream: int = 0, tag=None) -> int:
     """Allocates ``size`` bytes on ``device`` for use on ``stream``; returns
-    the device address (aligned to 256 bytes; never moved). Raises
-    :class:`OutOfMemoryError` when even a reclaimed pool cannot serve it or
-    a memory limit refuses it, :class:`ValueError` for a size of 0 or one
-    larger than the device."""
+    the device address (aligned to 256 bytes; never moved). With ``tag`` (an
+    int or a str) the block is tagged for :func:`pause`: it owns whole
+    granules (granule aligned, its size rounded up to the granularity).
+    Raises :class:`OutOfMemoryError` when even a reclaimed pool cannot serve
+    it or a memory limit refuses it, :class:`ValueError` for a size of 0 or
+    one larger than the device."""
     n = _int(size, "size", 0, _PTR_MAX)
     if n == 0:
         raise ValueError("size must be at least 1 byte")
     out = ctypes.c_void_p()
-    _check(_lib.lib().gpupool_alloc(n, _device(device), _stream(stream), ctypes.byref(out)))
+    if tag is None:
+        st = _lib.lib().gpupool_alloc(n, _device(device), _stream(stream), ctypes.byref(out))
+    else:
+        st = _lib.lib().gpupool_alloc_tagged(
+            n, _device(device), _stream(stream), _tag(tag), ctypes.byref(out)
+        )
+    _check(st)
     return int(out.value)
 
 
@@ -237,6 +269,59 @@ def trim() -> None:
     _check(_lib.lib().gpupool_trim())
 
 
+# ---- pause and resume ---------------------------------------------------------------
+
+
+def pause(tag, save: bool = True) -> int:
+    """Gives the device memory of every live block tagged ``tag`` (on every
+    device in use) back to the driver, keeping their addresses; with
+    ``save`` their bytes are copied to host memory first. Waits for the
+    streams those blocks were used on. Returns the bytes released: 0 for an
+    unknown tag or one already paused. ``memory_stats()`` shows the blocks
+    in ``paused_bytes.all.current``, no longer in ``reserved_bytes``.
+    Freeing a paused block is allowed. :class:`Error` (status
+    ``UNSUPPORTED``) on devices without virtual memory management."""
+    out = ctypes.c_uint64()
+    _check(_lib.lib().gpupool_pause(_tag(tag), 1 if save else 0, ctypes.byref(out)))
+    return int(out.value)
+
+
+def resume(tag) -> int:
+    """Maps device memory again under every paused block tagged ``tag``, at
+    the same addresses, and restores saved bytes (unsaved contents are
+    undefined). Returns the bytes mapped (0 if nothing was paused). All or
+    nothing per device: :class:`OutOfMemoryError` leaves the blocks paused
+    with their saved bytes."""
+    out = ctypes.c_uint64()
+    _check(_lib.lib().gpupool_resume(_tag(tag), ctypes.byref(out)))
+    return int(out.value)
+
+
+_scopes = threading.local()
+
+
+@contextlib.contextmanager
+def tag_scope(tag):
+    """Tags every allocation this thread makes through gpupool's C ABI
+    while the block runs (:func:`alloc` without ``tag=``, and PyTorch's
+    allocations once :mod:`gpupool.torch` is installed), so that
+    :func:`pause` can release them. Scopes nest; the innermost tag wins."""
+    t = _tag(tag)
+    stack = getattr(_scopes, "stack", None)
+    if stack is None:
+        stack = _scopes.stack = []
+    stack.append(t)
+    _check(_lib.lib().gpupool_set_thread_tag(t))
+    try:
+        yield
+    finally:
+        stack.pop()
+        if stack:
+            _check(_lib.lib().gpupool_set_thread_tag(stack[-1]))
+        else:
+            _check(_lib.lib().gpupool_clear_thread_tag())
+
+
 # ---- statistics -------------------------------------------------------------------
 
 
@@ -262,7 +347,8 @@ def memory_stats(device: int = 0) -> dict:
     the device without moving live blocks), each also ``.all.peak``;
     ``allocation.all.current``, ``num_alloc_retries``, ``num_ooms``,
     ``num_device_alloc``, ``num_device_free``; and gpupool's own
-    ``cached_bytes.*``, ``pending_bytes.*``, ``num_oom_waits``, ..."""
+    ``cached_bytes.*``, ``pending_bytes.*``, ``paused_bytes.all.current``
+    (blocks paused by :func:`pause`), ``num_oom_waits``, ..."""
     return json.loads(_text(_lib.lib().gpupool_memory_stats_json, _device(device)))
 
 

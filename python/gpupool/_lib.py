@@ -31,6 +31,8 @@ DEVICE_OUT_OF_MEMORY = 15
 NO_DRIVER = 16
 BACKEND = 17
 CONFIG = 18
+INJECTED_FAULT = 19
+UNSUPPORTED = 20
 
 #: The C ABI version these bindings were written for (GPUPOOL_ABI_VERSION).
 ABI_VERSION = 1
@@ -106,6 +108,11 @@ def lib(path: Optional[str] = None) -> ctypes.CDLL:
             "gpupool_snapshot_pickle": ([c_int, cp], c_int),
             "gpupool_record_history": ([c_int, c_int], c_int),
             "gpupool_trim": ([], c_int),
+            "gpupool_alloc_tagged": ([c_size, c_int, vp, ctypes.c_uint64, ctypes.POINTER(vp)], c_int),
+            "gpupool_set_thread_tag": ([ctypes.c_uint64], c_int),
+            "gpupool_clear_thread_tag": ([], c_int),
+            "gpupool_pause": ([ctypes.c_uint64, c_int, ctypes.POINTER(ctypes.c_uint64)], c_int),
+            "gpupool_resume": ([ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)], c_int),
             "gpupool_last_error": ([], cp),
             "gpupool_needed_len": ([], c_size),
             "gpupool_status_name": ([c_int], cp),
