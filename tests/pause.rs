@@ -6,25 +6,17 @@
 
 use gpupool::backend::sim::SimBackend;
 use gpupool::backend::{Backend, Call};
-use gpupool::{DevicePool, Error, PoolConfig, Runtime};
+use gpupool::{DevicePool, Error, Runtime};
 use std::sync::Arc;
 use std::time::Duration;
+
+mod common;
 
 const MIB: u64 = 1 << 20;
 const GRAN: u64 = 2 * MIB;
 
 fn runtime(conf: &str) -> (Runtime, Arc<SimBackend>) {
-    let cfg = PoolConfig::parse(conf).unwrap();
-    let sim = Arc::new(SimBackend::new(cfg.sim.clone()).unwrap());
-    let rt = Runtime::with_backend(
-        sim.clone(),
-        PoolConfig {
-            maintenance_tick: None,
-            ..cfg
-        },
-    )
-    .unwrap();
-    (rt, sim)
+    common::sim_runtime(conf)
 }
 
 fn sim_rt() -> (Runtime, Arc<SimBackend>) {

@@ -1,5 +1,5 @@
 //! Shared by the integration tests: what to do when a test's data or tool
-//! is missing.
+//! is missing, and a runtime over a simulator the test keeps.
 //!
 //! Outside CI a test may skip, printing why. Under `CI=true` a missing
 //! prerequisite is a failure: CI has every data set and tool these tests
@@ -56,4 +56,26 @@ pub fn require_tool(program: &str) -> Option<String> {
 /// The real traces next to the repository (`../shared/traces`).
 pub fn shared_traces() -> Option<PathBuf> {
     require_path(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/traces"))
+}
+
+/// A runtime over a simulator built from `conf` (a `GPUPOOL_CONF` string),
+/// with no maintenance thread, and the simulator for its counters and
+/// test hooks.
+pub fn sim_runtime(
+    conf: &str,
+) -> (
+    gpupool::Runtime,
+    std::sync::Arc<gpupool::backend::sim::SimBackend>,
+) {
+    let cfg = gpupool::PoolConfig::parse(conf).unwrap();
+    let sim = std::sync::Arc::new(gpupool::backend::sim::SimBackend::new(cfg.sim.clone()).unwrap());
+    let rt = gpupool::Runtime::with_backend(
+        sim.clone(),
+        gpupool::PoolConfig {
+            maintenance_tick: None,
+            ..cfg
+        },
+    )
+    .unwrap();
+    (rt, sim)
 }
