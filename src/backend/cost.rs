@@ -155,6 +155,9 @@ fn published(call: Call) -> CallCost {
         // memory transfer overhead"); bytes at 25 GB/s, an estimate for
         // pinned PCIe 4.0 x16 (31.5 GB/s raw).
         Call::MemcpyDtoH | Call::MemcpyHtoD => CallCost::new(10.0, MIB as f64 / 25e9 * 1e6),
+        // Estimates: no published figure; once per chunk shared between
+        // processes, never in steady state.
+        Call::MemExport | Call::MemImport => CallCost::new(10.0, 0.0),
     }
 }
 

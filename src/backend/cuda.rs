@@ -84,6 +84,8 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoDAsync_v2",
     "cuDriverGetVersion",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
 ];
 
 /// A context handle (null: none), shareable between threads.
@@ -245,6 +247,22 @@ fn pinned_prop(cu: sys::CUdevice) -> sys::CUmemAllocationProp {
             reserved: [0; 4],
         },
     }
+}
+
+/// Whether chunks of device `cu` can be created shareable as POSIX file
+/// descriptors (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`).
+/// Asked per chunk: one attribute read beside a `cuMemCreate`.
+fn posix_fd_supported(cu: sys::CUdevice) -> bool {
+    let mut v: c_int = 0;
+    // SAFETY: `v` is a valid out-pointer; the attribute is an int.
+    let r = unsafe {
+        sys::cuDeviceGetAttribute(
+            &mut v,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            cu,
+        )
+    };
+    r == sys::CUresult::CUDA_SUCCESS && v != 0
 }
 
 fn rw_access(cu: sys::CUdevice) -> sys::CUmemAccessDesc {
@@ -605,7 +623,12 @@ impl Backend for CudaBackend {
     fn create_chunk(&self, dev: usize, bytes: u64) -> Result<ChunkHandle> {
         let d = self.enter(dev)?;
         Self::require_vmm(dev, &d)?;
-        let prop = pinned_prop(d.cu);
+        let mut prop = pinned_prop(d.cu);
+        // Shareable with other processes (`export_chunk`) where supported.
+        if posix_fd_supported(d.cu) {
+            prop.requestedHandleTypes =
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        }
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         self.counters.count_units(Call::MemCreate, 1, bytes);
         // SAFETY: `h` is a valid out-pointer and `prop` a fully initialised
@@ -622,6 +645,62 @@ impl Backend for CudaBackend {
         // still mapped only drops the handle's reference, no Rust memory is
         // touched.
         check("cuMemRelease", unsafe { sys::cuMemRelease(chunk.0) })
+    }
+
+    fn export_chunk(&self, dev: usize, chunk: ChunkHandle) -> Result<(std::os::fd::OwnedFd, u64)> {
+        use std::os::fd::FromRawFd;
+        let d = self.enter(dev)?;
+        if !posix_fd_supported(d.cu) {
+            return Err(Error::Unsupported(format!(
+                "device {dev} cannot share memory as POSIX file descriptors"
+            )));
+        }
+        let mut fd: c_int = -1;
+        self.counters.count(Call::MemExport);
+        // SAFETY: for a POSIX descriptor the shareable handle is an `int`,
+        // and `fd` is a valid `int` out-pointer; the driver validates the
+        // chunk handle.
+        check("cuMemExportToShareableHandle", unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&mut fd as *mut c_int).cast::<c_void>(),
+                chunk.0,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        // SAFETY: the driver just created this descriptor for the caller,
+        // who owns it from here on.
+        Ok((unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }, 0))
+    }
+
+    fn import_chunk(
+        &self,
+        dev: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+        fd_offset: u64,
+        bytes: u64,
+    ) -> Result<ChunkHandle> {
+        use std::os::fd::AsRawFd;
+        let _cx = self.enter(dev)?;
+        if fd_offset != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "a CUDA shareable handle has no offset ({fd_offset} given)"
+            )));
+        }
+        let _ = bytes; // the allocation carries its own size
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        self.counters.count(Call::MemImport);
+        // SAFETY: `h` is a valid out-pointer; for a POSIX descriptor the
+        // driver takes the descriptor's value in the pointer argument and
+        // does not keep it (`fd` stays the caller's).
+        check("cuMemImportFromShareableHandle", unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut h,
+                fd.as_raw_fd() as usize as *mut c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        })?;
+        Ok(ChunkHandle(h))
     }
 
     fn alloc_segment(&self, dev: usize, bytes: u64) -> Result<DevicePtr> {
