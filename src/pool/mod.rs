@@ -27,6 +27,7 @@ mod exact;
 mod granule_set;
 mod heap;
 mod inspect;
+mod ipc;
 mod limits;
 #[cfg(all(test, loom))]
 mod loom_tests;
@@ -49,6 +50,7 @@ mod stream;
 pub(crate) mod sync;
 
 pub use block::Block;
+pub use ipc::{IpcChunk, IpcHandle};
 pub use limits::OomCallback;
 pub use maintain::MaintainReport;
 pub use pause::TagInfo;
@@ -140,6 +142,8 @@ pub(crate) struct PoolShared {
     limits: limits::PoolLimits,
     /// Tagged blocks, for pause and resume (`pause.rs`).
     tags: pause::TagRegistry,
+    /// Memory imported from other processes (`ipc.rs`).
+    imports: ipc::Imports,
 }
 
 thread_local! {
@@ -252,6 +256,7 @@ impl DevicePool {
             movable: crate::compact::Arena::new(gran.max(2 << 20).next_power_of_two()),
             limits: pool_limits,
             tags: pause::TagRegistry::default(),
+            imports: ipc::Imports::default(),
             backend,
             cfg,
             info,
@@ -1392,6 +1397,7 @@ impl PoolShared {
                 self.recycle_events(w);
             }
         }
+        self.close_all_imports();
         {
             let mut h = self.heap.lock();
             h.heap.teardown();

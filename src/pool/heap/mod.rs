@@ -41,6 +41,7 @@ use std::sync::Arc;
 
 mod audit;
 mod free_ranges;
+mod ipc;
 mod pause;
 mod physical;
 mod stitch;
