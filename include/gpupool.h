@@ -182,6 +182,21 @@ typedef enum GpupoolStatus {
  */
 typedef void (*GpupoolOomCallback)(int device, size_t requested, void *user_data);
 
+/**
+ * One exported chunk: a file descriptor and the offset of the chunk's
+ * bytes in the file it refers to (0 on CUDA).
+ */
+typedef struct GpupoolIpcChunk {
+  /**
+   * The shareable handle: a POSIX file descriptor.
+   */
+  int fd;
+  /**
+   * Offset of the chunk in the file.
+   */
+  uint64_t fd_offset;
+} GpupoolIpcChunk;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -430,6 +445,61 @@ int gpupool_pause(uint64_t tag, int save, uint64_t *released);
  * `mapped` is NULL or valid for one `uint64_t` write.
  */
 int gpupool_resume(uint64_t tag, uint64_t *mapped);
+
+/**
+ * Exports the allocation at `ptr` on `device` (from `gpupool_alloc`, live
+ * and not paused) for another process: the chunks of device memory under
+ * it, one per granule in address order, into `chunks[0..*n_chunks]` as
+ * new descriptors the caller owns (send them with `SCM_RIGHTS`, then
+ * close them), with `*chunk_bytes` (each chunk's size), `*offset` (of the
+ * allocation in the first chunk) and `*size`. The other process passes
+ * all of it to `gpupool_import`. Every granule the allocation touches is
+ * shared, neighbours' bytes included; keep the allocation alive while it
+ * is imported. When `max_chunks` is too small, nothing is exported,
+ * `*n_chunks` is the count needed and the status is
+ * `GPUPOOL_STATUS_BUFFER_TOO_SMALL`. `GPUPOOL_STATUS_UNSUPPORTED` without
+ * virtual memory management or shareable handles.
+ *
+ * # Safety
+ * `chunks` is NULL (with `max_chunks == 0`) or valid for `max_chunks`
+ * writes; `n_chunks`, `chunk_bytes`, `offset` and `size` are each valid
+ * for one write.
+ */
+int gpupool_export(void *ptr,
+                   int device,
+                   struct GpupoolIpcChunk *chunks,
+                   size_t max_chunks,
+                   size_t *n_chunks,
+                   uint64_t *chunk_bytes,
+                   uint64_t *offset,
+                   uint64_t *size);
+
+/**
+ * Maps memory another process exported with `gpupool_export` into this
+ * one, on `device`: `chunks[0..n_chunks]`, `chunk_bytes`, `offset` and
+ * `size` as it gave them (the descriptors stay the caller's: close them
+ * after). `*out` is the address of the allocation's first byte here, or
+ * `NULL` on failure. The memory is the exporter's: no statistic of this
+ * process counts it. `gpupool_import_close` unmaps it.
+ *
+ * # Safety
+ * `chunks` is valid for `n_chunks` reads; `out` is NULL or valid for one
+ * pointer write.
+ */
+int gpupool_import(int device,
+                   const struct GpupoolIpcChunk *chunks,
+                   size_t n_chunks,
+                   uint64_t chunk_bytes,
+                   uint64_t offset,
+                   uint64_t size,
+                   void **out);
+
+/**
+ * Unmaps memory mapped by `gpupool_import` on `device` (work using it
+ * must have completed). `GPUPOOL_STATUS_UNKNOWN_POINTER` for any other
+ * pointer.
+ */
+int gpupool_import_close(void *ptr, int device);
 
 /**
  * The message of the last call on this thread: `""` after a success,

@@ -30,6 +30,15 @@ Tags are ints (0 to 2**64-1) or strings (hashed to one). A tagged block owns
 whole granules (2 MiB on CUDA). Touching paused memory is an illegal
 address; :func:`pause` waits for the streams the blocks were used on.
 
+Sharing memory with another process: :func:`export` gives an
+:class:`IpcHandle` (file descriptors plus numbers); send the descriptors
+with ``socket.send_fds`` and the numbers (:meth:`IpcHandle.meta`) any way,
+then in the other process::
+
+    h = gpupool.IpcHandle.from_meta(meta, fds)   # fds from socket.recv_fds
+    q = gpupool.import_handle(h, device=0)       # the same bytes, mapped here
+    gpupool.close_import(q, device=0)
+
 Integrations: :mod:`gpupool.torch` (PyTorch's pluggable allocator) and
 :mod:`gpupool.cupy` (CuPy's allocator hook).
 """
@@ -73,6 +82,10 @@ __all__ = [
     "pause",
     "resume",
     "tag_scope",
+    "IpcHandle",
+    "export",
+    "import_handle",
+    "close_import",
     "on_oom",
     "version",
     "abi_version",
@@ -320,6 +333,114 @@ def tag_scope(tag):
             _check(_lib.lib().gpupool_set_thread_tag(stack[-1]))
         else:
             _check(_lib.lib().gpupool_clear_thread_tag())
+
+
+# ---- sharing between processes --------------------------------------------------------
+
+
+class IpcHandle:
+    """An allocation exported by :func:`export`: ``fds`` (file descriptors
+    this object owns, one per granule under the allocation) with
+    ``fd_offsets``, and ``chunk_bytes``, ``offset`` (of the allocation in
+    the first chunk) and ``size``. :meth:`close` (or leaving a ``with``
+    block) closes the descriptors; send them first (``socket.send_fds``)."""
+
+    def __init__(self, fds, fd_offsets, chunk_bytes: int, offset: int, size: int):
+        self.fds = list(fds)
+        self.fd_offsets = list(fd_offsets)
+        self.chunk_bytes, self.offset, self.size = int(chunk_bytes), int(offset), int(size)
+        if len(self.fds) != len(self.fd_offsets):
+            raise ValueError("one fd offset per descriptor")
+
+    def meta(self) -> dict:
+        """Everything but the descriptors, as plain numbers (JSON-able)."""
+        return {
+            "fd_offsets": self.fd_offsets,
+            "chunk_bytes": self.chunk_bytes,
+            "offset": self.offset,
+            "size": self.size,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict, fds) -> "IpcHandle":
+        """The handle a receiver rebuilds from :meth:`meta` and the
+        descriptors it received (in the sender's order)."""
+        return cls(fds, meta["fd_offsets"], meta["chunk_bytes"], meta["offset"], meta["size"])
+
+    def close(self) -> None:
+        """Closes the descriptors (an import already made keeps its own)."""
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (
+            f"IpcHandle({len(self.fds)} chunks of {self.chunk_bytes} B, "
+            f"offset {self.offset}, size {self.size})"
+        )
+
+
+def export(ptr: int, device: int = 0) -> IpcHandle:
+    """Exports the allocation at ``ptr`` (from :func:`alloc`, live and not
+    paused) for another process. Every granule it touches is shared
+    (neighbours' bytes included); keep it allocated while it is imported.
+    :class:`Error` (status ``UNSUPPORTED``) without virtual memory
+    management or shareable handles."""
+    l = _lib.lib()
+    n = ctypes.c_size_t()
+    cb, off, sz = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+    args = (ctypes.byref(n), ctypes.byref(cb), ctypes.byref(off), ctypes.byref(sz))
+    p, d = _ptr(ptr), _device(device)
+    st = l.gpupool_export(p, d, None, 0, *args)
+    while st == _lib.BUFFER_TOO_SMALL:
+        chunks = (_lib.IpcChunk * n.value)()
+        st = l.gpupool_export(p, d, chunks, n.value, *args)
+        if st == _lib.OK:
+            return IpcHandle(
+                [c.fd for c in chunks], [c.fd_offset for c in chunks], cb.value, off.value, sz.value
+            )
+    _check(st)
+    raise Error(_lib.PANIC, "gpupool_export exported nothing")
+
+
+def import_handle(handle: IpcHandle, device: int = 0) -> int:
+    """Maps memory another process exported (``handle`` rebuilt with
+    :meth:`IpcHandle.from_meta`) on ``device``; returns its address here.
+    The descriptors stay the handle's (close it after). The memory is the
+    exporter's: :func:`memory_stats` does not count it. Release with
+    :func:`close_import`."""
+    if not isinstance(handle, IpcHandle):
+        raise TypeError(f"handle must be an IpcHandle, not {type(handle).__name__}")
+    n = len(handle.fds)
+    chunks = (_lib.IpcChunk * max(n, 1))()
+    for i, (fd, off) in enumerate(zip(handle.fds, handle.fd_offsets)):
+        chunks[i].fd = _int(fd, "fd", 0, _INT_MAX)
+        chunks[i].fd_offset = _int(off, "fd_offset", 0, _U64_MAX)
+    out = ctypes.c_void_p()
+    _check(
+        _lib.lib().gpupool_import(
+            _device(device),
+            chunks,
+            n,
+            _int(handle.chunk_bytes, "chunk_bytes", 0, _U64_MAX),
+            _int(handle.offset, "offset", 0, _U64_MAX),
+            _int(handle.size, "size", 0, _U64_MAX),
+            ctypes.byref(out),
+        )
+    )
+    return int(out.value)
+
+
+def close_import(ptr: int, device: int = 0) -> None:
+    """Unmaps memory mapped by :func:`import_handle` (work using it must
+    have completed)."""
+    _check(_lib.lib().gpupool_import_close(_ptr(ptr), _device(device)))
 
 
 # ---- statistics -------------------------------------------------------------------

@@ -39,6 +39,12 @@ ABI_VERSION = 1
 
 OOM_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p)
 
+
+class IpcChunk(ctypes.Structure):
+    """GpupoolIpcChunk: a file descriptor and the chunk's offset in its file."""
+
+    _fields_ = [("fd", ctypes.c_int), ("fd_offset", ctypes.c_uint64)]
+
 _lib: Optional[ctypes.CDLL] = None
 _path: Optional[str] = None
 _lock = threading.Lock()
@@ -113,6 +119,18 @@ def lib(path: Optional[str] = None) -> ctypes.CDLL:
             "gpupool_clear_thread_tag": ([], c_int),
             "gpupool_pause": ([ctypes.c_uint64, c_int, ctypes.POINTER(ctypes.c_uint64)], c_int),
             "gpupool_resume": ([ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)], c_int),
+            "gpupool_export": (
+                [vp, c_int, ctypes.POINTER(IpcChunk), c_size, ctypes.POINTER(c_size)]
+                + [ctypes.POINTER(ctypes.c_uint64)] * 3,
+                c_int,
+            ),
+            "gpupool_import": (
+                [c_int, ctypes.POINTER(IpcChunk), c_size]
+                + [ctypes.c_uint64] * 3
+                + [ctypes.POINTER(vp)],
+                c_int,
+            ),
+            "gpupool_import_close": ([vp, c_int], c_int),
             "gpupool_last_error": ([], cp),
             "gpupool_needed_len": ([], c_size),
             "gpupool_status_name": ([c_int], cp),

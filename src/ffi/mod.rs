@@ -52,7 +52,8 @@
 //! (C strings in, the buffer protocol out), then the calls: `alloc`,
 //! `streams`, `stats`, `limits` (memory limit, out-of-memory callback, ABI
 //! version), `snapshot` (snapshots and history), `trim`, `pause` (tagged
-//! allocations, pause and resume), and `torch` (PyTorch's hooks).
+//! allocations, pause and resume), `ipc` (sharing memory with other
+//! processes), and `torch` (PyTorch's hooks).
 //!
 //! Invariant: the modules holding `extern "C"` functions are declared below
 //! in the order of `include/gpupool.h`. cbindgen writes functions in the
@@ -90,6 +91,9 @@ mod trim;
 // gpupool_pause, gpupool_resume.
 mod pause;
 
+// gpupool_export, gpupool_import, gpupool_import_close.
+mod ipc;
+
 // gpupool_last_error, gpupool_needed_len, gpupool_status_name,
 // gpupool_version, gpupool_selftest_panic.
 mod status;
@@ -101,6 +105,7 @@ mod torch;
 mod text;
 
 pub use alloc::{gpupool_alloc, gpupool_free, gpupool_record_stream};
+pub use ipc::{gpupool_export, gpupool_import, gpupool_import_close, GpupoolIpcChunk};
 pub use limits::{
     gpupool_abi_version, gpupool_set_memory_limit, gpupool_set_oom_callback, GpupoolOomCallback,
     GPUPOOL_ABI_VERSION,

@@ -2,7 +2,7 @@
  * Exercises every function of include/gpupool.h against the simulator:
  * lifecycle, allocation, streams, stats (nested and PyTorch's flat layout),
  * snapshots, memory limits, the out-of-memory callback, tagged allocations with
- * pause and resume, the PyTorch hooks, every
+ * pause and resume, export and import, the PyTorch hooks, every
  * bad-input case (status, message, and unchanged stats), 8 threads
  * allocating and freeing concurrently, and calls after shutdown.
  *
@@ -22,6 +22,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 static int passed, failed;
 
@@ -241,6 +242,7 @@ int main(int argc, char **argv) {
     EXPECT(gpupool_pause(1, 1, NULL), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
     EXPECT(gpupool_resume(1, NULL), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
     EXPECT(gpupool_alloc_tagged(64, 0, NULL, 1, &p), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
+    EXPECT(gpupool_import_close(&dummy, 0), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
 
     /* ---- init ---------------------------------------------------------------- */
     EXPECT(gpupool_init(conf), GPUPOOL_STATUS_OK, "");
@@ -546,6 +548,48 @@ int main(int argc, char **argv) {
         CHECK(mapped == 0, "resume after the frees mapped %llu", (unsigned long long)mapped);
     }
 
+    /* ---- export and import (here across devices; tests/ipc.rs: across processes) -- */
+    {
+        void *e = NULL, *imp = NULL;
+        GpupoolIpcChunk ch[8];
+        size_t nch = 99;
+        uint64_t cb = 0, off = 0, sz = 0;
+        EXPECT(gpupool_alloc(5 * MIB + 7, 0, s0, &e), GPUPOOL_STATUS_OK, "");
+        memset(e, 0x5e, 5 * MIB + 7);
+        BAD(gpupool_export(NULL, 0, ch, 8, &nch, &cb, &off, &sz), GPUPOOL_STATUS_NULL_ARGUMENT, "ptr");
+        BAD(gpupool_export(e, 0, ch, 8, NULL, &cb, &off, &sz), GPUPOOL_STATUS_NULL_ARGUMENT, "n_chunks");
+        BAD(gpupool_export(e, 0, NULL, 8, &nch, &cb, &off, &sz), GPUPOOL_STATUS_NULL_ARGUMENT, "chunks");
+        BAD(gpupool_export(&dummy, 0, ch, 8, &nch, &cb, &off, &sz), GPUPOOL_STATUS_UNKNOWN_POINTER, "unknown");
+        BAD(gpupool_export(e, 1, ch, 8, &nch, &cb, &off, &sz), GPUPOOL_STATUS_WRONG_DEVICE, "device 0");
+        EXPECT(gpupool_export(e, 0, NULL, 0, &nch, &cb, &off, &sz), GPUPOOL_STATUS_BUFFER_TOO_SMALL, "chunks");
+        CHECK(nch >= 3 && nch <= 4, "chunks needed %zu", nch);
+        EXPECT(gpupool_export(e, 0, ch, 8, &nch, &cb, &off, &sz), GPUPOOL_STATUS_OK, "");
+        CHECK(cb == 2 * MIB && sz == 5 * MIB + 7 && off < cb && nch == (off + sz + cb - 1) / cb,
+              "export: %zu chunks of %llu, offset %llu, size %llu", nch, (unsigned long long)cb,
+              (unsigned long long)off, (unsigned long long)sz);
+        GpupoolIpcChunk bad = ch[0];
+        bad.fd = -1;
+        BAD(gpupool_import(1, &bad, 1, cb, 0, 1, &imp), GPUPOOL_STATUS_INVALID_ARGUMENT, "descriptor");
+        CHECK(imp == NULL, "out after a refused import");
+        BAD(gpupool_import(1, ch, nch, cb, off, cb * nch, &imp), GPUPOOL_STATUS_INVALID_ARGUMENT, "chunks");
+        BAD(gpupool_import(1, ch, 0, cb, off, sz, &imp), GPUPOOL_STATUS_INVALID_ARGUMENT, "chunks");
+        BAD(gpupool_import(1, NULL, nch, cb, off, sz, &imp), GPUPOOL_STATUS_NULL_ARGUMENT, "chunks");
+        BAD(gpupool_import(1, ch, nch, cb, off, sz, NULL), GPUPOOL_STATUS_NULL_ARGUMENT, "out");
+        BAD(gpupool_import(7, ch, nch, cb, off, sz, &imp), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 7");
+        unsigned long long r1 = stat_now(1, "reserved_bytes", 1);
+        EXPECT(gpupool_import(1, ch, nch, cb, off, sz, &imp), GPUPOOL_STATUS_OK, "");
+        for (size_t i = 0; i < nch; i++) close(ch[i].fd);
+        CHECK(imp && imp != e && memcmp(imp, e, 5 * MIB + 7) == 0, "imported bytes differ");
+        memset(imp, 0x71, 4096);
+        CHECK(((unsigned char *)e)[4095] == 0x71, "a write through the import shows in the export");
+        CHECK(stat_now(1, "reserved_bytes", 1) == r1, "an import holds no pool memory");
+        BAD(gpupool_import_close(e, 1), GPUPOOL_STATUS_UNKNOWN_POINTER, "unknown");
+        BAD(gpupool_import_close(NULL, 1), GPUPOOL_STATUS_NULL_ARGUMENT, "ptr");
+        EXPECT(gpupool_import_close(imp, 1), GPUPOOL_STATUS_OK, "");
+        BAD(gpupool_import_close(imp, 1), GPUPOOL_STATUS_UNKNOWN_POINTER, "unknown");
+        EXPECT(gpupool_free(e, 0, s0), GPUPOOL_STATUS_OK, "");
+    }
+
     /* ---- free the rest, trim ------------------------------------------------------ */
     for (int i = 0; i < 6; i++) {
         if (i == 1 || i == 4) continue;
@@ -604,6 +648,7 @@ int main(int argc, char **argv) {
     EXPECT(gpupool_pause(5, 1, NULL), GPUPOOL_STATUS_SHUTDOWN, "shut down");
     EXPECT(gpupool_resume(5, NULL), GPUPOOL_STATUS_SHUTDOWN, "shut down");
     EXPECT(gpupool_alloc_tagged(64, 0, NULL, 5, &q), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_import_close(p, 0), GPUPOOL_STATUS_SHUTDOWN, "shut down");
     CHECK(q == NULL, "tagged out after shutdown");
     q = gpupool_torch_malloc(64, 0, NULL);
     CHECK(q == NULL && strstr(gpupool_last_error(), "shut down"), "torch_malloc after shutdown");
