@@ -31,6 +31,18 @@ fn read(sim: &SimBackend, p: DevicePtr, n: usize) -> Vec<u8> {
     buf
 }
 
+/// A message header over one buffer and a control buffer (whole words,
+/// aligned for `cmsghdr`); both must outlive its use.
+fn header(iov: &mut libc::iovec, control: &mut [u64]) -> libc::msghdr {
+    // SAFETY: an all-zero msghdr is valid; the fields are set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(control) as _;
+    msg
+}
+
 /// Sends `data` and `fds` in one message (SCM_RIGHTS).
 fn send_fds(sock: &UnixStream, data: &[u8], fds: &[RawFd]) {
     let fd_bytes = std::mem::size_of_val(fds);
@@ -42,12 +54,7 @@ fn send_fds(sock: &UnixStream, data: &[u8], fds: &[RawFd]) {
         iov_base: data.as_ptr() as *mut libc::c_void,
         iov_len: data.len(),
     };
-    // SAFETY: an all-zero msghdr is valid; the fields are set below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
+    let msg = header(&mut iov, &mut control);
     // SAFETY: `msg` points at a control buffer of `space` bytes, enough
     // for one header and `fds`; CMSG_FIRSTHDR/CMSG_DATA stay inside it.
     unsafe {
@@ -81,12 +88,7 @@ fn recv_fds(sock: &UnixStream) -> (Vec<u8>, Vec<OwnedFd>) {
         iov_base: data.as_mut_ptr().cast(),
         iov_len: data.len(),
     };
-    // SAFETY: an all-zero msghdr is valid; the fields are set below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
+    let mut msg = header(&mut iov, &mut control);
     // SAFETY: `msg` and its buffers are valid for writes of their lengths.
     let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
     assert!(n > 0, "recvmsg: {}", std::io::Error::last_os_error());
