@@ -182,6 +182,21 @@ typedef enum GpupoolStatus {
  */
 typedef void (*GpupoolOomCallback)(int device, size_t requested, void *user_data);
 
+/**
+ * One exported chunk: a file descriptor and the offset of the chunk's
+ * bytes in the file it refers to (0 on CUDA).
+ */
+typedef struct GpupoolIpcChunk {
+  /**
+   * The shareable handle: a POSIX file descriptor.
+   */
+  int fd;
+  /**
+   * Offset of the chunk in the file.
+   */
+  uint64_t fd_offset;
+} GpupoolIpcChunk;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -221,7 +236,9 @@ int gpupool_device_count(int *out);
  * Allocates `size` bytes on `device` for use on `stream` (`NULL`: the
  * default stream) into `*out`. Alignment is at least 256 bytes. The memory
  * is never moved. `size == 0` is `GPUPOOL_STATUS_INVALID_SIZE`, as is a size
- * larger than the device. On any failure `*out` is set to `NULL`.
+ * larger than the device. On any failure `*out` is set to `NULL`. Inside a
+ * `gpupool_set_thread_tag` scope the allocation is tagged (see
+ * `gpupool_alloc_tagged`).
  *
  * # Safety
  * `out` is NULL or valid for one pointer write.
@@ -385,6 +402,115 @@ int gpupool_mark_step(void);
  * alloc and free, this waits for pending frees (it blocks the host).
  */
 int gpupool_trim(void);
+
+/**
+ * Like `gpupool_alloc`, under `tag`: the allocation owns whole granules
+ * (granule aligned, its size rounded up to the granularity) so that
+ * `gpupool_pause(tag, ...)` can give its memory back alone. Free it with
+ * `gpupool_free`, paused or not. `GPUPOOL_STATUS_UNSUPPORTED` on a device
+ * without virtual memory management. On any failure `*out` is `NULL`.
+ *
+ * # Safety
+ * `out` is NULL or valid for one pointer write.
+ */
+int gpupool_alloc_tagged(size_t size, int device, void *stream, uint64_t tag, void **out);
+
+/**
+ * Makes `gpupool_alloc` and `gpupool_torch_malloc` on the calling thread
+ * tag their allocations with `tag` (as `gpupool_alloc_tagged` does) until
+ * `gpupool_clear_thread_tag`: a scope for code that allocates through
+ * PyTorch. Needs no runtime; never fails.
+ */
+int gpupool_set_thread_tag(uint64_t tag);
+
+/**
+ * Ends the calling thread's tag scope: its allocations are untagged again.
+ */
+int gpupool_clear_thread_tag(void);
+
+/**
+ * Gives the device memory of every live allocation tagged `tag`, on every
+ * device in use, back to the driver while their addresses stay reserved;
+ * with `save != 0` their bytes are copied to host memory first. Waits on
+ * the host for the streams those allocations were used on (their
+ * allocation stream and recorded streams). Touching a paused allocation
+ * is an illegal address until `gpupool_resume`. Pausing an unknown tag,
+ * or one already paused, releases nothing. `*released` (when not NULL)
+ * gets the bytes released (0 on failure). `GPUPOOL_STATUS_UNSUPPORTED`
+ * without virtual memory management.
+ *
+ * # Safety
+ * `released` is NULL or valid for one `uint64_t` write.
+ */
+int gpupool_pause(uint64_t tag, int save, uint64_t *released);
+
+/**
+ * Maps new device memory under every paused allocation tagged `tag`, at
+ * the same addresses, and restores the bytes saved by `gpupool_pause`
+ * (unsaved contents are undefined). All or nothing per device: on
+ * `GPUPOOL_STATUS_OUT_OF_MEMORY` the device's allocations stay paused
+ * with their saved bytes. Resuming a tag with nothing paused does
+ * nothing. `*mapped` (when not NULL) gets the bytes mapped (0 on failure).
+ *
+ * # Safety
+ * `mapped` is NULL or valid for one `uint64_t` write.
+ */
+int gpupool_resume(uint64_t tag, uint64_t *mapped);
+
+/**
+ * Exports the allocation at `ptr` on `device` (from `gpupool_alloc`, live
+ * and not paused) for another process: the chunks of device memory under
+ * it, one per granule in address order, into `chunks[0..*n_chunks]` as
+ * new descriptors the caller owns (send them with `SCM_RIGHTS`, then
+ * close them), with `*chunk_bytes` (each chunk's size), `*offset` (of the
+ * allocation in the first chunk) and `*size`. The other process passes
+ * all of it to `gpupool_import`. Every granule the allocation touches is
+ * shared, neighbours' bytes included; keep the allocation alive while it
+ * is imported. When `max_chunks` is too small, nothing is exported,
+ * `*n_chunks` is the count needed and the status is
+ * `GPUPOOL_STATUS_BUFFER_TOO_SMALL`. `GPUPOOL_STATUS_UNSUPPORTED` without
+ * virtual memory management or shareable handles.
+ *
+ * # Safety
+ * `chunks` is NULL (with `max_chunks == 0`) or valid for `max_chunks`
+ * writes; `n_chunks`, `chunk_bytes`, `offset` and `size` are each valid
+ * for one write.
+ */
+int gpupool_export(void *ptr,
+                   int device,
+                   struct GpupoolIpcChunk *chunks,
+                   size_t max_chunks,
+                   size_t *n_chunks,
+                   uint64_t *chunk_bytes,
+                   uint64_t *offset,
+                   uint64_t *size);
+
+/**
+ * Maps memory another process exported with `gpupool_export` into this
+ * one, on `device`: `chunks[0..n_chunks]`, `chunk_bytes`, `offset` and
+ * `size` as it gave them (the descriptors stay the caller's: close them
+ * after). `*out` is the address of the allocation's first byte here, or
+ * `NULL` on failure. The memory is the exporter's: no statistic of this
+ * process counts it. `gpupool_import_close` unmaps it.
+ *
+ * # Safety
+ * `chunks` is valid for `n_chunks` reads; `out` is NULL or valid for one
+ * pointer write.
+ */
+int gpupool_import(int device,
+                   const struct GpupoolIpcChunk *chunks,
+                   size_t n_chunks,
+                   uint64_t chunk_bytes,
+                   uint64_t offset,
+                   uint64_t size,
+                   void **out);
+
+/**
+ * Unmaps memory mapped by `gpupool_import` on `device` (work using it
+ * must have completed). `GPUPOOL_STATUS_UNKNOWN_POINTER` for any other
+ * pointer.
+ */
+int gpupool_import_close(void *ptr, int device);
 
 /**
  * The message of the last call on this thread: `""` after a success,

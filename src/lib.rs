@@ -24,6 +24,6 @@ pub use backend::{Backend, DeviceInfo, Move};
 pub use compact::{CompactOptions, CompactReport, MovableBlock, Pinned};
 pub use config::{BackendKind, PoolConfig, SimConfig};
 pub use error::{Error, OomReport, Result};
-pub use pool::{Block, DevicePool, PoolStats, Stat, Stream};
+pub use pool::{Block, DevicePool, IpcChunk, IpcHandle, PoolStats, Stat, Stream, TagInfo};
 pub use ptr::{ChunkHandle, DevicePtr, EventHandle, StreamHandle};
 pub use runtime::{Runtime, RuntimeBuilder};

@@ -329,6 +329,43 @@ impl Runtime {
         Ok(())
     }
 
+    /// [`DevicePool::pause`] on every pool built so far that has virtual
+    /// memory management, in parallel; returns the bytes released.
+    /// [`Error::Unsupported`] if no such pool exists but some pool does.
+    pub fn pause(&self, tag: u64, save: bool) -> Result<u64> {
+        let pools = self.vmm_pools()?;
+        for p in &pools {
+            p.flush_thread_cache();
+        }
+        Ok(per_device(&pools, |p| p.pause(tag, save))?
+            .into_iter()
+            .sum())
+    }
+
+    /// [`DevicePool::resume`] on every pool built so far that has virtual
+    /// memory management, in parallel; returns the bytes mapped again.
+    /// All or nothing per device, not across devices: a device that fails
+    /// keeps its blocks paused while the others resume.
+    pub fn resume(&self, tag: u64) -> Result<u64> {
+        let pools = self.vmm_pools()?;
+        Ok(per_device(&pools, |p| p.resume(tag))?.into_iter().sum())
+    }
+
+    fn vmm_pools(&self) -> Result<Vec<&DevicePool>> {
+        let active = self.active_devices();
+        let vmm: Vec<&DevicePool> = active
+            .iter()
+            .copied()
+            .filter(|p| p.info().vmm_supported)
+            .collect();
+        if vmm.is_empty() && !active.is_empty() {
+            return Err(Error::Unsupported(
+                "pause and resume need virtual memory management; no device has it".into(),
+            ));
+        }
+        Ok(vmm)
+    }
+
     /// Stops the maintenance threads and shuts every pool down: later
     /// calls fail with [`Error::Shutdown`].
     pub fn shutdown(&self) {

@@ -9,20 +9,12 @@ use gpupool::{DevicePool, Error, OomReport, PoolConfig, Runtime};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+mod common;
+
 const MIB: u64 = 1 << 20;
 
 fn runtime(conf: &str) -> (Runtime, Arc<SimBackend>) {
-    let cfg = PoolConfig::parse(conf).unwrap();
-    let sim = Arc::new(SimBackend::new(cfg.sim.clone()).unwrap());
-    let rt = Runtime::with_backend(
-        sim.clone(),
-        PoolConfig {
-            maintenance_tick: None,
-            ..cfg
-        },
-    )
-    .unwrap();
-    (rt, sim)
+    common::sim_runtime(conf)
 }
 
 /// Allocates `step`-byte raw blocks until out of memory; returns them and

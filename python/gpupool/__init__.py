@@ -18,13 +18,36 @@ stream. Errors raise :class:`OutOfMemoryError` (a :class:`MemoryError`),
 :class:`ValueError` for bad input (as :class:`InvalidArgumentError`), or
 :class:`Error` for anything else; each carries the C status in ``status``.
 
+Pause and resume (virtual-memory devices; the simulator has it): memory
+allocated under a tag can give its device memory back while its addresses
+stay valid to hold, as vLLM's sleep mode does::
+
+    w = gpupool.alloc(1 << 30, tag="weights")     # or: with gpupool.tag_scope("weights"): ...
+    gpupool.pause("weights", save=True)           # device memory released, bytes kept on the host
+    gpupool.resume("weights")                     # same addresses, bytes restored
+
+Tags are ints (0 to 2**64-1) or strings (hashed to one). A tagged block owns
+whole granules (2 MiB on CUDA). Touching paused memory is an illegal
+address; :func:`pause` waits for the streams the blocks were used on.
+
+Sharing memory with another process: :func:`export` gives an
+:class:`IpcHandle` (file descriptors plus numbers); send the descriptors
+with ``socket.send_fds`` and the numbers (:meth:`IpcHandle.meta`) any way,
+then in the other process::
+
+    h = gpupool.IpcHandle.from_meta(meta, fds)   # fds from socket.recv_fds
+    q = gpupool.import_handle(h, device=0)       # the same bytes, mapped here
+    gpupool.close_import(q, device=0)
+
 Integrations: :mod:`gpupool.torch` (PyTorch's pluggable allocator) and
 :mod:`gpupool.cupy` (CuPy's allocator hook).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import hashlib
 import json
 import numbers
 import os
@@ -57,6 +80,13 @@ __all__ = [
     "dump_snapshot",
     "trim",
     "mark_step",
+    "pause",
+    "resume",
+    "tag_scope",
+    "IpcHandle",
+    "export",
+    "import_handle",
+    "close_import",
     "on_oom",
     "version",
     "abi_version",
@@ -193,17 +223,32 @@ def device_count() -> int:
 # ---- memory ------------------------------------------------------------------------
 
 
-def alloc(size: int, device: int = 0, stream: int = 0) -> int:
+def _tag(tag) -> int:
+    """A tag as the C ABI's ``uint64_t``: an int as is, a str hashed."""
+    if isinstance(tag, str):
+        return int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "little")
+    return _int(tag, "tag", 0, _U64_MAX)
+
+
+def alloc(size: int, device: int = 0, stream: int = 0, tag=None) -> int:
     """Allocates ``size`` bytes on ``device`` for use on ``stream``; returns
-    the device address (aligned to 256 bytes; never moved). Raises
-    :class:`OutOfMemoryError` when even a reclaimed pool cannot serve it or
-    a memory limit refuses it, :class:`ValueError` for a size of 0 or one
-    larger than the device."""
+    the device address (aligned to 256 bytes; never moved). With ``tag`` (an
+    int or a str) the block is tagged for :func:`pause`: it owns whole
+    granules (granule aligned, its size rounded up to the granularity).
+    Raises :class:`OutOfMemoryError` when even a reclaimed pool cannot serve
+    it or a memory limit refuses it, :class:`ValueError` for a size of 0 or
+    one larger than the device."""
     n = _int(size, "size", 0, _PTR_MAX)
     if n == 0:
         raise ValueError("size must be at least 1 byte")
     out = ctypes.c_void_p()
-    _check(_lib.lib().gpupool_alloc(n, _device(device), _stream(stream), ctypes.byref(out)))
+    if tag is None:
+        st = _lib.lib().gpupool_alloc(n, _device(device), _stream(stream), ctypes.byref(out))
+    else:
+        st = _lib.lib().gpupool_alloc_tagged(
+            n, _device(device), _stream(stream), _tag(tag), ctypes.byref(out)
+        )
+    _check(st)
     return int(out.value)
 
 
@@ -248,6 +293,167 @@ def mark_step() -> None:
     _check(_lib.lib().gpupool_mark_step())
 
 
+# ---- pause and resume ---------------------------------------------------------------
+
+
+def pause(tag, save: bool = True) -> int:
+    """Gives the device memory of every live block tagged ``tag`` (on every
+    device in use) back to the driver, keeping their addresses; with
+    ``save`` their bytes are copied to host memory first. Waits for the
+    streams those blocks were used on. Returns the bytes released: 0 for an
+    unknown tag or one already paused. ``memory_stats()`` shows the blocks
+    in ``paused_bytes.all.current``, no longer in ``reserved_bytes``.
+    Freeing a paused block is allowed. :class:`Error` (status
+    ``UNSUPPORTED``) on devices without virtual memory management."""
+    out = ctypes.c_uint64()
+    _check(_lib.lib().gpupool_pause(_tag(tag), 1 if save else 0, ctypes.byref(out)))
+    return int(out.value)
+
+
+def resume(tag) -> int:
+    """Maps device memory again under every paused block tagged ``tag``, at
+    the same addresses, and restores saved bytes (unsaved contents are
+    undefined). Returns the bytes mapped (0 if nothing was paused). All or
+    nothing per device: :class:`OutOfMemoryError` leaves the blocks paused
+    with their saved bytes."""
+    out = ctypes.c_uint64()
+    _check(_lib.lib().gpupool_resume(_tag(tag), ctypes.byref(out)))
+    return int(out.value)
+
+
+_scopes = threading.local()
+
+
+@contextlib.contextmanager
+def tag_scope(tag):
+    """Tags every allocation this thread makes through gpupool's C ABI
+    while the block runs (:func:`alloc` without ``tag=``, and PyTorch's
+    allocations once :mod:`gpupool.torch` is installed), so that
+    :func:`pause` can release them. Scopes nest; the innermost tag wins."""
+    t = _tag(tag)
+    stack = getattr(_scopes, "stack", None)
+    if stack is None:
+        stack = _scopes.stack = []
+    stack.append(t)
+    _check(_lib.lib().gpupool_set_thread_tag(t))
+    try:
+        yield
+    finally:
+        stack.pop()
+        if stack:
+            _check(_lib.lib().gpupool_set_thread_tag(stack[-1]))
+        else:
+            _check(_lib.lib().gpupool_clear_thread_tag())
+
+
+# ---- sharing between processes --------------------------------------------------------
+
+
+class IpcHandle:
+    """An allocation exported by :func:`export`: ``fds`` (file descriptors
+    this object owns, one per granule under the allocation) with
+    ``fd_offsets``, and ``chunk_bytes``, ``offset`` (of the allocation in
+    the first chunk) and ``size``. :meth:`close` (or leaving a ``with``
+    block) closes the descriptors; send them first (``socket.send_fds``)."""
+
+    def __init__(self, fds, fd_offsets, chunk_bytes: int, offset: int, size: int):
+        self.fds = list(fds)
+        self.fd_offsets = list(fd_offsets)
+        self.chunk_bytes, self.offset, self.size = int(chunk_bytes), int(offset), int(size)
+        if len(self.fds) != len(self.fd_offsets):
+            raise ValueError("one fd offset per descriptor")
+
+    def meta(self) -> dict:
+        """Everything but the descriptors, as plain numbers (JSON-able)."""
+        return {
+            "fd_offsets": self.fd_offsets,
+            "chunk_bytes": self.chunk_bytes,
+            "offset": self.offset,
+            "size": self.size,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict, fds) -> "IpcHandle":
+        """The handle a receiver rebuilds from :meth:`meta` and the
+        descriptors it received (in the sender's order)."""
+        return cls(fds, meta["fd_offsets"], meta["chunk_bytes"], meta["offset"], meta["size"])
+
+    def close(self) -> None:
+        """Closes the descriptors (an import already made keeps its own)."""
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (
+            f"IpcHandle({len(self.fds)} chunks of {self.chunk_bytes} B, "
+            f"offset {self.offset}, size {self.size})"
+        )
+
+
+def export(ptr: int, device: int = 0) -> IpcHandle:
+    """Exports the allocation at ``ptr`` (from :func:`alloc`, live and not
+    paused) for another process. Every granule it touches is shared
+    (neighbours' bytes included); keep it allocated while it is imported.
+    :class:`Error` (status ``UNSUPPORTED``) without virtual memory
+    management or shareable handles."""
+    l = _lib.lib()
+    n = ctypes.c_size_t()
+    cb, off, sz = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+    args = (ctypes.byref(n), ctypes.byref(cb), ctypes.byref(off), ctypes.byref(sz))
+    p, d = _ptr(ptr), _device(device)
+    st = l.gpupool_export(p, d, None, 0, *args)
+    while st == _lib.BUFFER_TOO_SMALL:
+        chunks = (_lib.IpcChunk * n.value)()
+        st = l.gpupool_export(p, d, chunks, n.value, *args)
+        if st == _lib.OK:
+            return IpcHandle(
+                [c.fd for c in chunks], [c.fd_offset for c in chunks], cb.value, off.value, sz.value
+            )
+    _check(st)
+    raise Error(_lib.PANIC, "gpupool_export exported nothing")
+
+
+def import_handle(handle: IpcHandle, device: int = 0) -> int:
+    """Maps memory another process exported (``handle`` rebuilt with
+    :meth:`IpcHandle.from_meta`) on ``device``; returns its address here.
+    The descriptors stay the handle's (close it after). The memory is the
+    exporter's: :func:`memory_stats` does not count it. Release with
+    :func:`close_import`."""
+    if not isinstance(handle, IpcHandle):
+        raise TypeError(f"handle must be an IpcHandle, not {type(handle).__name__}")
+    n = len(handle.fds)
+    chunks = (_lib.IpcChunk * max(n, 1))()
+    for i, (fd, off) in enumerate(zip(handle.fds, handle.fd_offsets)):
+        chunks[i].fd = _int(fd, "fd", 0, _INT_MAX)
+        chunks[i].fd_offset = _int(off, "fd_offset", 0, _U64_MAX)
+    out = ctypes.c_void_p()
+    _check(
+        _lib.lib().gpupool_import(
+            _device(device),
+            chunks,
+            n,
+            _int(handle.chunk_bytes, "chunk_bytes", 0, _U64_MAX),
+            _int(handle.offset, "offset", 0, _U64_MAX),
+            _int(handle.size, "size", 0, _U64_MAX),
+            ctypes.byref(out),
+        )
+    )
+    return int(out.value)
+
+
+def close_import(ptr: int, device: int = 0) -> None:
+    """Unmaps memory mapped by :func:`import_handle` (work using it must
+    have completed)."""
+    _check(_lib.lib().gpupool_import_close(_ptr(ptr), _device(device)))
+
+
 # ---- statistics -------------------------------------------------------------------
 
 
@@ -273,7 +479,8 @@ def memory_stats(device: int = 0) -> dict:
     the device without moving live blocks), each also ``.all.peak``;
     ``allocation.all.current``, ``num_alloc_retries``, ``num_ooms``,
     ``num_device_alloc``, ``num_device_free``; and gpupool's own
-    ``cached_bytes.*``, ``pending_bytes.*``, ``num_oom_waits``, ..."""
+    ``cached_bytes.*``, ``pending_bytes.*``, ``paused_bytes.all.current``
+    (blocks paused by :func:`pause`), ``num_oom_waits``, ..."""
     return json.loads(_text(_lib.lib().gpupool_memory_stats_json, _device(device)))
 
 

@@ -31,11 +31,19 @@ DEVICE_OUT_OF_MEMORY = 15
 NO_DRIVER = 16
 BACKEND = 17
 CONFIG = 18
+INJECTED_FAULT = 19
+UNSUPPORTED = 20
 
 #: The C ABI version these bindings were written for (GPUPOOL_ABI_VERSION).
 ABI_VERSION = 1
 
 OOM_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p)
+
+
+class IpcChunk(ctypes.Structure):
+    """GpupoolIpcChunk: a file descriptor and the chunk's offset in its file."""
+
+    _fields_ = [("fd", ctypes.c_int), ("fd_offset", ctypes.c_uint64)]
 
 _lib: Optional[ctypes.CDLL] = None
 _path: Optional[str] = None
@@ -107,6 +115,23 @@ def lib(path: Optional[str] = None) -> ctypes.CDLL:
             "gpupool_record_history": ([c_int, c_int], c_int),
             "gpupool_trim": ([], c_int),
             "gpupool_mark_step": ([], c_int),
+            "gpupool_alloc_tagged": ([c_size, c_int, vp, ctypes.c_uint64, ctypes.POINTER(vp)], c_int),
+            "gpupool_set_thread_tag": ([ctypes.c_uint64], c_int),
+            "gpupool_clear_thread_tag": ([], c_int),
+            "gpupool_pause": ([ctypes.c_uint64, c_int, ctypes.POINTER(ctypes.c_uint64)], c_int),
+            "gpupool_resume": ([ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)], c_int),
+            "gpupool_export": (
+                [vp, c_int, ctypes.POINTER(IpcChunk), c_size, ctypes.POINTER(c_size)]
+                + [ctypes.POINTER(ctypes.c_uint64)] * 3,
+                c_int,
+            ),
+            "gpupool_import": (
+                [c_int, ctypes.POINTER(IpcChunk), c_size]
+                + [ctypes.c_uint64] * 3
+                + [ctypes.POINTER(vp)],
+                c_int,
+            ),
+            "gpupool_import_close": ([vp, c_int], c_int),
             "gpupool_last_error": ([], cp),
             "gpupool_needed_len": ([], c_size),
             "gpupool_status_name": ([c_int], cp),

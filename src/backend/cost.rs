@@ -155,6 +155,9 @@ fn published(call: Call) -> CallCost {
         // memory transfer overhead"); bytes at 25 GB/s, an estimate for
         // pinned PCIe 4.0 x16 (31.5 GB/s raw).
         Call::MemcpyDtoH | Call::MemcpyHtoD => CallCost::new(10.0, MIB as f64 / 25e9 * 1e6),
+        // Estimates: no published figure; once per chunk shared between
+        // processes, never in steady state.
+        Call::MemExport | Call::MemImport => CallCost::new(10.0, 0.0),
     }
 }
 
@@ -487,6 +490,31 @@ mod calibration {
         )?;
         put(Call::Unmap, CallCost::new(unmap, 0.0))?;
 
+        // Sharing between processes: export a chunk and import it back
+        // (the published estimates stay where the backend cannot share).
+        let c = be.create_chunk(dev, gran)?;
+        let shared = (|| -> Result<(f64, f64)> {
+            let (mut ex, mut im) = (vec![], vec![]);
+            for _ in 0..n {
+                let (us, (fd, off)) = time(|| be.export_chunk(dev, c))?;
+                ex.push(us);
+                let fd = std::os::fd::AsFd::as_fd(&fd);
+                let (us, imported) = time(|| be.import_chunk(dev, fd, off, gran))?;
+                im.push(us);
+                be.release_chunk(dev, imported)?;
+            }
+            Ok((mid(ex), mid(im)))
+        })();
+        be.release_chunk(dev, c)?;
+        match shared {
+            Ok((ex, im)) => {
+                put(Call::MemExport, CallCost::new(ex, 0.0))?;
+                put(Call::MemImport, CallCost::new(im, 0.0))?;
+            }
+            Err(Error::Unsupported(_)) => {}
+            Err(e) => return Err(e),
+        }
+
         // Plain segments: a granule and 32 granules.
         let seg = |bytes: u64| -> Result<(f64, f64)> {
             let (mut a, mut f) = (vec![], vec![]);
@@ -730,7 +758,10 @@ mod tests {
             assert!(k.us.is_finite() && k.us >= 0.0 && k.us_per_unit >= 0.0);
         }
         // Nothing was left behind on the device.
-        assert_eq!(d.get(Call::MemCreate), d.get(Call::MemRelease));
+        assert_eq!(
+            d.get(Call::MemCreate) + d.get(Call::MemImport),
+            d.get(Call::MemRelease)
+        );
         assert_eq!(d.get(Call::AddressReserve), d.get(Call::AddressFree));
         assert_eq!(d.get(Call::MemAlloc), d.get(Call::MemFree));
         let back = CostTable::from_json(&t.to_json()).unwrap();

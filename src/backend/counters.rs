@@ -73,6 +73,8 @@ calls! {
     MemsetAsync => "cuMemsetD8Async",
     MemcpyDtoH => "cuMemcpyDtoH",
     MemcpyHtoD => "cuMemcpyHtoD",
+    MemExport => "cuMemExportToShareableHandle",
+    MemImport => "cuMemImportFromShareableHandle",
 }
 
 /// What a call's units measure, for calls whose cost grows with their size.

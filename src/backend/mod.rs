@@ -25,6 +25,7 @@ use crate::error::Result;
 use crate::ptr::{ChunkHandle, DevicePtr, EventHandle, StreamHandle};
 use std::any::Any;
 use std::fmt;
+use std::os::fd::{BorrowedFd, OwnedFd};
 
 /// Static facts about one device.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -88,6 +89,40 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 
     /// Frees a plain segment (`cuMemFree`).
     fn free_segment(&self, dev: usize, ptr: DevicePtr) -> Result<()>;
+
+    /// Exports `chunk` for another process (`cuMemExportToShareableHandle`
+    /// with a POSIX file descriptor; the chunk must have been created with
+    /// that handle type, as the CUDA backend does where the device supports
+    /// it): a new file descriptor the caller owns, and the offset of the
+    /// chunk's bytes in the file it refers to (0 on CUDA). The default is
+    /// [`Error::Unsupported`](crate::Error::Unsupported).
+    fn export_chunk(&self, dev: usize, chunk: ChunkHandle) -> Result<(OwnedFd, u64)> {
+        let _ = (dev, chunk);
+        Err(crate::error::Error::Unsupported(format!(
+            "the {} backend cannot export memory",
+            self.name()
+        )))
+    }
+
+    /// Imports a chunk of `bytes` that another process exported with
+    /// [`Backend::export_chunk`] (`cuMemImportFromShareableHandle`): `fd`
+    /// and `fd_offset` as it gave them (`fd` stays the caller's). Map it
+    /// like any chunk; release it with [`Backend::release_chunk`] once
+    /// unmapped. The memory stays the exporter's: the importer's device
+    /// holds no more memory for it. The default is `Unsupported`.
+    fn import_chunk(
+        &self,
+        dev: usize,
+        fd: BorrowedFd<'_>,
+        fd_offset: u64,
+        bytes: u64,
+    ) -> Result<ChunkHandle> {
+        let _ = (dev, fd, fd_offset, bytes);
+        Err(crate::error::Error::Unsupported(format!(
+            "the {} backend cannot import memory",
+            self.name()
+        )))
+    }
 
     // ---- virtual addresses ----------------------------------------------
 

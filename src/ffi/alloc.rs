@@ -12,7 +12,9 @@ use std::ffi::{c_int, c_void};
 /// Allocates `size` bytes on `device` for use on `stream` (`NULL`: the
 /// default stream) into `*out`. Alignment is at least 256 bytes. The memory
 /// is never moved. `size == 0` is `GPUPOOL_STATUS_INVALID_SIZE`, as is a size
-/// larger than the device. On any failure `*out` is set to `NULL`.
+/// larger than the device. On any failure `*out` is set to `NULL`. Inside a
+/// `gpupool_set_thread_tag` scope the allocation is tagged (see
+/// `gpupool_alloc_tagged`).
 ///
 /// # Safety
 /// `out` is NULL or valid for one pointer write.
@@ -30,7 +32,9 @@ pub unsafe extern "C" fn gpupool_alloc(
         // SAFETY: `out` is non-NULL and valid for writes (caller's contract).
         unsafe { out.write(std::ptr::null_mut()) };
         let p = with_state(|st| {
-            st.with_stream(device, stream, |pool, s| Ok(pool.alloc_raw(size, s)?))
+            st.with_stream(device, stream, |pool, s| {
+                Ok(super::pause::alloc_raw(pool, size, s)?)
+            })
         })?;
         // SAFETY: as above.
         unsafe { out.write(p.addr() as usize as *mut c_void) };

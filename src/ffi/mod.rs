@@ -54,7 +54,9 @@
 //! (C strings in, the buffer protocol out), `log` (`GPUPOOL_LOG`), then
 //! the calls: `alloc`, `streams`, `stats`, `limits` (memory limit,
 //! out-of-memory callback, ABI version), `snapshot` (snapshots and
-//! history), `trim`, and `torch` (PyTorch's hooks).
+//! history), `trim`, `steps` (learned steps), `pause` (tagged allocations,
+//! pause and resume), `ipc` (sharing memory with other processes), and
+//! `torch` (PyTorch's hooks).
 //!
 //! Invariant: the modules holding `extern "C"` functions are declared below
 //! in the order of `include/gpupool.h`. cbindgen writes functions in the
@@ -89,6 +91,13 @@ mod snapshot;
 mod steps;
 mod trim;
 
+// gpupool_alloc_tagged, gpupool_set_thread_tag, gpupool_clear_thread_tag,
+// gpupool_pause, gpupool_resume.
+mod pause;
+
+// gpupool_export, gpupool_import, gpupool_import_close.
+mod ipc;
+
 // gpupool_last_error, gpupool_needed_len, gpupool_status_name,
 // gpupool_version, gpupool_selftest_panic.
 mod status;
@@ -102,9 +111,14 @@ mod text;
 mod log;
 
 pub use alloc::{gpupool_alloc, gpupool_free, gpupool_record_stream};
+pub use ipc::{gpupool_export, gpupool_import, gpupool_import_close, GpupoolIpcChunk};
 pub use limits::{
     gpupool_abi_version, gpupool_set_memory_limit, gpupool_set_oom_callback, GpupoolOomCallback,
     GPUPOOL_ABI_VERSION,
+};
+pub use pause::{
+    gpupool_alloc_tagged, gpupool_clear_thread_tag, gpupool_pause, gpupool_resume,
+    gpupool_set_thread_tag,
 };
 pub use snapshot::{gpupool_record_history, gpupool_snapshot_json, gpupool_snapshot_pickle};
 pub use state::{gpupool_device_count, gpupool_init, gpupool_shutdown};

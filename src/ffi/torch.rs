@@ -37,7 +37,11 @@ pub extern "C" fn gpupool_torch_malloc(
             return Ok(std::ptr::null_mut());
         }
         let alloc = || {
-            with_state(|st| st.with_stream(device, stream, |pool, s| Ok(pool.alloc_raw(size, s)?)))
+            with_state(|st| {
+                st.with_stream(device, stream, |pool, s| {
+                    Ok(super::pause::alloc_raw(pool, size, s)?)
+                })
+            })
         };
         // One read of the global state on the fast path; the first call
         // initializes from `GPUPOOL_CONF` and tries again.

@@ -192,10 +192,13 @@ impl PoolShared {
             + stats.pending_bytes.current
             + cached
             + stats.overhead_bytes;
-        if sum != stats.reserved_bytes.current || cached != stats.cached_bytes.current {
+        // Paused blocks are allocated but hold no device memory.
+        let held = stats.reserved_bytes.current + stats.paused_bytes;
+        if sum != held || cached != stats.cached_bytes.current {
             return Err(format!(
-                "reserved {} != allocated {} + pending {} + cached {cached} + overhead {}",
+                "reserved {} + paused {} != allocated {} + pending {} + cached {cached} + overhead {}",
                 stats.reserved_bytes.current,
+                stats.paused_bytes,
                 stats.allocated_bytes.current,
                 stats.pending_bytes.current,
                 stats.overhead_bytes

@@ -27,12 +27,14 @@ mod exact;
 mod granule_set;
 mod heap;
 mod inspect;
+mod ipc;
 mod limits;
 #[cfg(all(test, loom))]
 mod loom_tests;
 mod magazine;
 mod maintain;
 mod orphans;
+mod pause;
 mod peer;
 mod pending;
 mod plan;
@@ -51,8 +53,10 @@ pub(crate) mod sync;
 pub use block::Block;
 pub use compact_hooks::CompactReport;
 pub(crate) use compact_hooks::MovableArena;
+pub use ipc::{IpcChunk, IpcHandle};
 pub use limits::OomCallback;
 pub use maintain::MaintainReport;
+pub use pause::TagInfo;
 pub use plan::PlanStats;
 pub use size_class::{SizeClasses, ALIGN};
 pub use snapshot::{BlockInfo, BlockState, HistoryAction, HistoryEvent, SegmentInfo, Snapshot};
@@ -145,6 +149,10 @@ pub(crate) struct PoolShared {
     limits: limits::PoolLimits,
     /// Learned steps (`plan/`): per-stream plans and their arenas.
     plans: plan::Plans,
+    /// Tagged blocks, for pause and resume (`pause.rs`).
+    tags: pause::TagRegistry,
+    /// Memory imported from other processes (`ipc.rs`).
+    imports: ipc::Imports,
 }
 
 thread_local! {
@@ -258,6 +266,8 @@ impl DevicePool {
             movable: compact_hooks::MovableSlot::new(gran.max(2 << 20).next_power_of_two()),
             limits: pool_limits,
             plans: plan::Plans::new(),
+            tags: pause::TagRegistry::default(),
+            imports: ipc::Imports::default(),
             backend,
             cfg,
             info,
@@ -1125,13 +1135,24 @@ impl PoolShared {
                 if self.plans.enabled() && self.plan_free(addr, stream, extra) {
                     return;
                 }
+                // Tagged blocks are never parked (see `pause.rs`).
+                let tagged = self.tags.forget(addr);
                 let mut h = self.heap.lock();
                 match slot {
                     // The owner word stays: parking is authoritative for
                     // parked ranges (a raw free clears the word first, for
                     // double-free detection), so a park touches no map
                     // but the cache's.
-                    Some(s) if extra.is_empty() => h.exact.put(s, len, addr),
+                    Some(s) if extra.is_empty() && tagged.is_none() => h.exact.put(s, len, addr),
+                    // Paused: unmapped after a host wait, no use remains.
+                    _ if tagged == Some(true) => {
+                        h.heap.free(addr, Tag::Clean).expect("block is allocated");
+                    }
+                    Some(s) if extra.is_empty() => {
+                        h.heap
+                            .free(addr, Tag::Dirty(s))
+                            .expect("block is allocated");
+                    }
                     _ => {
                         let id = h.heap.new_pending_group();
                         h.heap
@@ -1379,7 +1400,7 @@ impl PoolShared {
 
     fn stats(&self) -> PoolStats {
         let (requested, allocated, allocs, frees) = self.counters.totals();
-        let (reserved, heap_pending, overhead, device_allocs, device_frees, releasable) = {
+        let (reserved, heap_pending, overhead, device_allocs, device_frees, releasable, paused) = {
             let h = self.heap.lock_quiet();
             let f = h.heap.figures();
             (
@@ -1389,13 +1410,15 @@ impl PoolShared {
                 h.heap.device_allocs,
                 h.heap.device_frees,
                 h.heap.releasable_bytes(),
+                f.paused,
             )
         };
         let pending = heap_pending
             + self.counters.pending_slot_bytes.load(Relaxed)
             + self.movable.held_bytes()
             + self.plans.fenced_bytes();
-        let cached = reserved.saturating_sub(allocated + pending + overhead);
+        // Paused blocks are allocated but hold no device memory.
+        let cached = (reserved + paused).saturating_sub(allocated + pending + overhead);
         let figures = stats::Figures {
             device: self.dev,
             requested,
@@ -1405,6 +1428,7 @@ impl PoolShared {
             cached,
             overhead,
             inactive_split: cached.saturating_sub(releasable),
+            paused,
         };
         PoolStats {
             num_allocs: allocs,
@@ -1457,11 +1481,13 @@ impl PoolShared {
         let recorded = std::mem::take(&mut *self.recorded_streams.lock());
         self.recorded_entries
             .store(0, std::sync::atomic::Ordering::Release);
+        let tagged = self.tags.clear();
         for (_, t) in std::mem::take(&mut *self.tombs.lock()) {
             if let Some((w, _)) = t.waits {
                 self.recycle_events(w);
             }
         }
+        self.close_all_imports();
         {
             let mut h = self.heap.lock();
             h.heap.teardown();
@@ -1486,6 +1512,7 @@ impl PoolShared {
         let killed = self.streams.kill_owned();
         // Dropped last: no core of an owned stream calls the driver now.
         drop(recorded);
+        drop(tagged);
         tracing::debug!(
             device = self.dev,
             streams_destroyed = killed,

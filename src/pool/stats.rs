@@ -26,7 +26,7 @@ pub struct Stat {
 /// `requested_bytes` (sizes asked for) <= `allocated_bytes` (their rounded
 /// sizes) <= `active_bytes` (plus freed blocks not yet reusable) <=
 /// `reserved_bytes` (device memory held); and
-/// `reserved = allocated + pending + cached + overhead`, exactly.
+/// `reserved + paused = allocated + pending + cached + overhead`, exactly.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct PoolStats {
     /// Device index.
@@ -50,6 +50,10 @@ pub struct PoolStats {
     pub pending_bytes: Stat,
     /// Reserved bytes no block can use (slab tails).
     pub overhead_bytes: u64,
+    /// Rounded bytes of paused blocks ([`DevicePool::pause`](crate::DevicePool::pause)):
+    /// live and counted in `allocated_bytes`, but their physical memory went
+    /// back to the device (not in `reserved_bytes`).
+    pub paused_bytes: u64,
     /// Free memory that cannot go back to the device without moving live
     /// blocks (PyTorch's `inactive_split_bytes`, "inactive, non-releasable"):
     /// free slots and free mapped ranges that share a slab or a granule
@@ -340,6 +344,8 @@ pub(crate) struct Figures {
     pub overhead: u64,
     /// Cached bytes that cannot be given back without moving live blocks.
     pub inactive_split: u64,
+    /// Rounded bytes of paused blocks (allocated, not reserved).
+    pub paused: u64,
 }
 
 impl Counters {
@@ -368,6 +374,7 @@ impl Counters {
             cached_bytes: stat(f.cached, &self.peak_cached),
             pending_bytes: stat(f.pending, &self.peak_pending),
             overhead_bytes: f.overhead,
+            paused_bytes: f.paused,
             inactive_split_bytes: stat(f.inactive_split, &self.peak_inactive_split),
             num_allocs_grown: self.grown.load(Relaxed),
             num_alloc_retries: self.retries.load(Relaxed),
@@ -396,6 +403,7 @@ impl PoolStats {
     /// `num_ooms`, `num_device_alloc` and `num_device_free`. gpupool's own
     /// figures follow under the same scheme (`cached_bytes.all.*`,
     /// `pending_bytes.all.*`, `overhead_bytes.all.current`,
+    /// `paused_bytes.all.current`,
     /// `num_oom_waits`, `num_pending_frees`, `num_handovers`,
     /// `host_syncs`). PyTorch's `large_pool`/`small_pool` splits and the
     /// cumulative `.allocated`/`.freed` byte counts are not kept.
@@ -414,6 +422,7 @@ impl PoolStats {
             m.insert(format!("{name}.all.peak"), s.peak);
         }
         m.insert("overhead_bytes.all.current".into(), self.overhead_bytes);
+        m.insert("paused_bytes.all.current".into(), self.paused_bytes);
         let live = self.num_allocs.saturating_sub(self.num_frees);
         m.insert("allocation.all.current".into(), live);
         m.insert("allocation.all.allocated".into(), self.num_allocs);

@@ -1,7 +1,8 @@
 /*
  * Exercises every function of include/gpupool.h against the simulator:
  * lifecycle, allocation, streams, stats (nested and PyTorch's flat layout),
- * snapshots, memory limits, the out-of-memory callback, the PyTorch hooks, every
+ * snapshots, memory limits, the out-of-memory callback, tagged allocations with
+ * pause and resume, export and import, the PyTorch hooks, every
  * bad-input case (status, message, and unchanged stats), 8 threads
  * allocating and freeing concurrently, and calls after shutdown.
  *
@@ -21,6 +22,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 static int passed, failed;
 
@@ -237,6 +239,10 @@ int main(int argc, char **argv) {
     EXPECT(gpupool_init("backend=sim,devices=0"), GPUPOOL_STATUS_CONFIG, "devices");
     EXPECT(gpupool_init("backend=sim,\xff=1"), GPUPOOL_STATUS_INVALID_ARGUMENT, "UTF-8");
     EXPECT(gpupool_stream_create(0, &s0), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
+    EXPECT(gpupool_pause(1, 1, NULL), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
+    EXPECT(gpupool_resume(1, NULL), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
+    EXPECT(gpupool_alloc_tagged(64, 0, NULL, 1, &p), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
+    EXPECT(gpupool_import_close(&dummy, 0), GPUPOOL_STATUS_NOT_INITIALIZED, "not initialized");
 
     /* ---- init ---------------------------------------------------------------- */
     EXPECT(gpupool_init(conf), GPUPOOL_STATUS_OK, "");
@@ -484,6 +490,106 @@ int main(int argc, char **argv) {
     CHECK(strstr(gpupool_last_error(), "double free") != NULL, "torch double free");
     same_state("torch double free");
 
+    /* ---- tagged allocations, pause and resume ------------------------------------ */
+    {
+        void *t1 = NULL, *t2 = NULL, *t3 = NULL;
+        uint64_t released = 7, mapped = 7;
+        BAD(gpupool_alloc_tagged(MIB, 0, NULL, 5, NULL), GPUPOOL_STATUS_NULL_ARGUMENT, "out");
+        BAD(gpupool_alloc_tagged(0, 0, NULL, 5, &t1), GPUPOOL_STATUS_INVALID_SIZE, "zero");
+        CHECK(t1 == NULL, "out after a refused tagged alloc");
+        BAD(gpupool_alloc_tagged(MIB, 7, NULL, 5, &t1), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 7");
+        BAD(gpupool_alloc_tagged(MIB, 0, s1, 5, &t1), GPUPOOL_STATUS_INVALID_HANDLE, "device 1");
+        unsigned long long live1 = stat_now(1, "allocated_bytes", 1);
+        EXPECT(gpupool_alloc_tagged(3 * MIB, 0, s0, 5, &t1), GPUPOOL_STATUS_OK, "");
+        CHECK(t1 && (uintptr_t)t1 % (2 * MIB) == 0, "tagged ptr %p not granule aligned", t1);
+        /* A thread tag scope tags gpupool_alloc and the PyTorch hook. */
+        EXPECT(gpupool_set_thread_tag(5), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_alloc(100, 1, s1, &t2), GPUPOOL_STATUS_OK, "");
+        t3 = gpupool_torch_malloc(5000, 0, NULL);
+        EXPECT(gpupool_clear_thread_tag(), GPUPOOL_STATUS_OK, "");
+        CHECK(t3 && (uintptr_t)t3 % (2 * MIB) == 0, "torch_malloc in a tag scope: %p", t3);
+        CHECK(stat_now(1, "allocated_bytes", 1) == live1 + 2 * MIB, "a tagged 100 B block holds a granule: %llu",
+              stat_now(1, "allocated_bytes", 1));
+        /* On the simulator device memory is host memory: write it directly. */
+        memset(t1, 0xab, 3 * MIB);
+        memset(t3, 0xcd, 5000);
+        unsigned long long r0 = stat_now(0, "reserved_bytes", 1), r1 = stat_now(1, "reserved_bytes", 1);
+        EXPECT(gpupool_pause(5, 1, &released), GPUPOOL_STATUS_OK, "");
+        CHECK(released == 8 * MIB, "released %llu", (unsigned long long)released);
+        CHECK(stat_now(0, "paused_bytes", 0) == 6 * MIB && stat_now(1, "paused_bytes", 0) == 2 * MIB,
+              "paused %llu %llu", stat_now(0, "paused_bytes", 0), stat_now(1, "paused_bytes", 0));
+        CHECK(stat_now(0, "reserved_bytes", 1) == r0 - 6 * MIB && stat_now(1, "reserved_bytes", 1) == r1 - 2 * MIB,
+              "reserved while paused %llu %llu", stat_now(0, "reserved_bytes", 1), stat_now(1, "reserved_bytes", 1));
+        CHECK(flat_now(0, "paused_bytes.all.current") == 6 * MIB, "flat paused %llu",
+              flat_now(0, "paused_bytes.all.current"));
+        /* Again, and an unknown tag: nothing to do. */
+        EXPECT(gpupool_pause(5, 1, &released), GPUPOOL_STATUS_OK, "");
+        CHECK(released == 0, "second pause released %llu", (unsigned long long)released);
+        EXPECT(gpupool_pause(99, 0, NULL), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_resume(99, &mapped), GPUPOOL_STATUS_OK, "");
+        CHECK(mapped == 0, "resume of an unknown tag mapped %llu", (unsigned long long)mapped);
+        EXPECT(gpupool_resume(5, &mapped), GPUPOOL_STATUS_OK, "");
+        CHECK(mapped == 8 * MIB, "mapped %llu", (unsigned long long)mapped);
+        CHECK(stat_now(0, "reserved_bytes", 1) == r0 && stat_now(0, "paused_bytes", 0) == 0,
+              "reserved after resume %llu", stat_now(0, "reserved_bytes", 1));
+        int same = 1;
+        for (size_t i = 0; i < 3 * MIB; i++) same &= ((unsigned char *)t1)[i] == 0xab;
+        for (size_t i = 0; i < 5000; i++) same &= ((unsigned char *)t3)[i] == 0xcd;
+        CHECK(same, "bytes restored by resume");
+        /* Paused allocations may be freed, through either free. */
+        EXPECT(gpupool_pause(5, 0, NULL), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_free(t1, 0, s0), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_free(t2, 1, s1), GPUPOOL_STATUS_OK, "");
+        gpupool_torch_free(t3, 5000, 0, NULL);
+        CHECK(gpupool_last_error()[0] == '\0', "torch_free of a paused block");
+        CHECK(stat_now(0, "paused_bytes", 0) == 0 && stat_now(1, "paused_bytes", 0) == 0, "paused after frees");
+        BAD(gpupool_free(t1, 0, s0), GPUPOOL_STATUS_DOUBLE_FREE, "double free");
+        EXPECT(gpupool_resume(5, &mapped), GPUPOOL_STATUS_OK, "");
+        CHECK(mapped == 0, "resume after the frees mapped %llu", (unsigned long long)mapped);
+    }
+
+    /* ---- export and import (here across devices; tests/ipc.rs: across processes) -- */
+    {
+        void *e = NULL, *imp = NULL;
+        GpupoolIpcChunk ch[8];
+        size_t nch = 99;
+        uint64_t cb = 0, off = 0, sz = 0;
+        EXPECT(gpupool_alloc(5 * MIB + 7, 0, s0, &e), GPUPOOL_STATUS_OK, "");
+        memset(e, 0x5e, 5 * MIB + 7);
+        BAD(gpupool_export(NULL, 0, ch, 8, &nch, &cb, &off, &sz), GPUPOOL_STATUS_NULL_ARGUMENT, "ptr");
+        BAD(gpupool_export(e, 0, ch, 8, NULL, &cb, &off, &sz), GPUPOOL_STATUS_NULL_ARGUMENT, "n_chunks");
+        BAD(gpupool_export(e, 0, NULL, 8, &nch, &cb, &off, &sz), GPUPOOL_STATUS_NULL_ARGUMENT, "chunks");
+        BAD(gpupool_export(&dummy, 0, ch, 8, &nch, &cb, &off, &sz), GPUPOOL_STATUS_UNKNOWN_POINTER, "unknown");
+        BAD(gpupool_export(e, 1, ch, 8, &nch, &cb, &off, &sz), GPUPOOL_STATUS_WRONG_DEVICE, "device 0");
+        EXPECT(gpupool_export(e, 0, NULL, 0, &nch, &cb, &off, &sz), GPUPOOL_STATUS_BUFFER_TOO_SMALL, "chunks");
+        CHECK(nch >= 3 && nch <= 4, "chunks needed %zu", nch);
+        EXPECT(gpupool_export(e, 0, ch, 8, &nch, &cb, &off, &sz), GPUPOOL_STATUS_OK, "");
+        CHECK(cb == 2 * MIB && sz == 5 * MIB + 7 && off < cb && nch == (off + sz + cb - 1) / cb,
+              "export: %zu chunks of %llu, offset %llu, size %llu", nch, (unsigned long long)cb,
+              (unsigned long long)off, (unsigned long long)sz);
+        GpupoolIpcChunk bad = ch[0];
+        bad.fd = -1;
+        BAD(gpupool_import(1, &bad, 1, cb, 0, 1, &imp), GPUPOOL_STATUS_INVALID_ARGUMENT, "descriptor");
+        CHECK(imp == NULL, "out after a refused import");
+        BAD(gpupool_import(1, ch, nch, cb, off, cb * nch, &imp), GPUPOOL_STATUS_INVALID_ARGUMENT, "chunks");
+        BAD(gpupool_import(1, ch, 0, cb, off, sz, &imp), GPUPOOL_STATUS_INVALID_ARGUMENT, "chunks");
+        BAD(gpupool_import(1, NULL, nch, cb, off, sz, &imp), GPUPOOL_STATUS_NULL_ARGUMENT, "chunks");
+        BAD(gpupool_import(1, ch, nch, cb, off, sz, NULL), GPUPOOL_STATUS_NULL_ARGUMENT, "out");
+        BAD(gpupool_import(7, ch, nch, cb, off, sz, &imp), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 7");
+        unsigned long long r1 = stat_now(1, "reserved_bytes", 1);
+        EXPECT(gpupool_import(1, ch, nch, cb, off, sz, &imp), GPUPOOL_STATUS_OK, "");
+        for (size_t i = 0; i < nch; i++) close(ch[i].fd);
+        CHECK(imp && imp != e && memcmp(imp, e, 5 * MIB + 7) == 0, "imported bytes differ");
+        memset(imp, 0x71, 4096);
+        CHECK(((unsigned char *)e)[4095] == 0x71, "a write through the import shows in the export");
+        CHECK(stat_now(1, "reserved_bytes", 1) == r1, "an import holds no pool memory");
+        BAD(gpupool_import_close(e, 1), GPUPOOL_STATUS_UNKNOWN_POINTER, "unknown");
+        BAD(gpupool_import_close(NULL, 1), GPUPOOL_STATUS_NULL_ARGUMENT, "ptr");
+        EXPECT(gpupool_import_close(imp, 1), GPUPOOL_STATUS_OK, "");
+        BAD(gpupool_import_close(imp, 1), GPUPOOL_STATUS_UNKNOWN_POINTER, "unknown");
+        EXPECT(gpupool_free(e, 0, s0), GPUPOOL_STATUS_OK, "");
+    }
+
     /* ---- free the rest, trim ------------------------------------------------------ */
     for (int i = 0; i < 6; i++) {
         if (i == 1 || i == 4) continue;
@@ -539,6 +645,11 @@ int main(int argc, char **argv) {
     EXPECT(gpupool_memory_stats_json(0, buf, sizeof buf), GPUPOOL_STATUS_SHUTDOWN, "shut down");
     EXPECT(gpupool_reset_peak_stats(0), GPUPOOL_STATUS_SHUTDOWN, "shut down");
     EXPECT(gpupool_set_memory_limit(0, MIB), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_pause(5, 1, NULL), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_resume(5, NULL), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_alloc_tagged(64, 0, NULL, 5, &q), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    EXPECT(gpupool_import_close(p, 0), GPUPOOL_STATUS_SHUTDOWN, "shut down");
+    CHECK(q == NULL, "tagged out after shutdown");
     q = gpupool_torch_malloc(64, 0, NULL);
     CHECK(q == NULL && strstr(gpupool_last_error(), "shut down"), "torch_malloc after shutdown");
     gpupool_torch_free(p, 4096, 0, NULL);

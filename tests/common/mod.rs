@@ -1,6 +1,7 @@
 //! Shared by the integration tests of both crates (the tools crate's tests
 //! include this file by path): what to do when a test's data or tool is
-//! missing, and where the repository is.
+//! missing, where the repository is, and a runtime over a simulator the
+//! test keeps.
 //!
 //! Outside CI a test may skip, printing why. Under `CI=true` a missing
 //! prerequisite is a failure: CI has every data set and tool these tests
@@ -67,4 +68,26 @@ pub fn repo_root() -> PathBuf {
 /// The real traces next to the repository (`../shared/traces`).
 pub fn shared_traces() -> Option<PathBuf> {
     require_path(repo_root().join("../shared/traces"))
+}
+
+/// A runtime over a simulator built from `conf` (a `GPUPOOL_CONF` string),
+/// with no maintenance thread, and the simulator for its counters and
+/// test hooks.
+pub fn sim_runtime(
+    conf: &str,
+) -> (
+    gpupool::Runtime,
+    std::sync::Arc<gpupool::backend::sim::SimBackend>,
+) {
+    let cfg = gpupool::PoolConfig::parse(conf).unwrap();
+    let sim = std::sync::Arc::new(gpupool::backend::sim::SimBackend::new(cfg.sim.clone()).unwrap());
+    let rt = gpupool::Runtime::with_backend(
+        sim.clone(),
+        gpupool::PoolConfig {
+            maintenance_tick: None,
+            ..cfg
+        },
+    )
+    .unwrap();
+    (rt, sim)
 }

@@ -67,6 +67,8 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoDAsync_v2",
     "cuDriverGetVersion",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
 ];
 
 /// The driver's name for `r` (`CUDA_ERROR_OUT_OF_MEMORY`), or its Debug form

@@ -14,7 +14,7 @@ use crate::backend::{Backend, Call};
 use crate::error::{Error, Result};
 use crate::ptr::{ChunkHandle, DevicePtr};
 use cudarc::driver::sys;
-use std::ffi::c_int;
+use std::ffi::{c_int, c_void};
 use std::ptr;
 
 fn location(cu: sys::CUdevice) -> sys::CUmemLocation {
@@ -37,6 +37,22 @@ pub(super) fn pinned_prop(cu: sys::CUdevice) -> sys::CUmemAllocationProp {
             reserved: [0; 4],
         },
     }
+}
+
+/// Whether chunks of device `cu` can be created shareable as POSIX file
+/// descriptors (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`).
+/// Asked per chunk: one attribute read beside a `cuMemCreate`.
+fn posix_fd_supported(cu: sys::CUdevice) -> bool {
+    let mut v: c_int = 0;
+    // SAFETY: `v` is a valid out-pointer; the attribute is an int.
+    let r = unsafe {
+        sys::cuDeviceGetAttribute(
+            &mut v,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            cu,
+        )
+    };
+    r == sys::CUresult::CUDA_SUCCESS && v != 0
 }
 
 fn rw_access(cu: sys::CUdevice) -> sys::CUmemAccessDesc {
@@ -106,7 +122,12 @@ pub(super) fn can_access_peer(be: &CudaBackend, dev: usize, peer: usize) -> Resu
 pub(super) fn create_chunk(be: &CudaBackend, dev: usize, bytes: u64) -> Result<ChunkHandle> {
     let d = be.enter(dev)?;
     CudaBackend::require_vmm(dev, &d)?;
-    let prop = pinned_prop(d.cu);
+    let mut prop = pinned_prop(d.cu);
+    // Shareable with other processes (`export_chunk`) where supported.
+    if posix_fd_supported(d.cu) {
+        prop.requestedHandleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    }
     let mut h: sys::CUmemGenericAllocationHandle = 0;
     be.counters.count_units(Call::MemCreate, 1, bytes);
     // SAFETY: `h` is a valid out-pointer and `prop` a fully initialised
@@ -123,6 +144,64 @@ pub(super) fn release_chunk(be: &CudaBackend, dev: usize, chunk: ChunkHandle) ->
     // still mapped only drops the handle's reference, no Rust memory is
     // touched.
     check("cuMemRelease", unsafe { sys::cuMemRelease(chunk.0) })
+}
+
+pub(super) fn export_chunk(
+    be: &CudaBackend,
+    dev: usize,
+    chunk: ChunkHandle,
+) -> Result<(std::os::fd::OwnedFd, u64)> {
+    use std::os::fd::FromRawFd;
+    let d = be.enter(dev)?;
+    if !posix_fd_supported(d.cu) {
+        return Err(Error::Unsupported(format!(
+            "device {dev} cannot share memory as POSIX file descriptors"
+        )));
+    }
+    let mut fd: c_int = -1;
+    be.counters.count(Call::MemExport);
+    // SAFETY: for a POSIX descriptor the shareable handle is an `int`,
+    // and `fd` is a valid `int` out-pointer; the driver validates the
+    // chunk handle.
+    check("cuMemExportToShareableHandle", unsafe {
+        sys::cuMemExportToShareableHandle(
+            (&mut fd as *mut c_int).cast::<c_void>(),
+            chunk.0,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    })?;
+    // SAFETY: the driver just created this descriptor for the caller,
+    // who owns it from here on.
+    Ok((unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }, 0))
+}
+
+pub(super) fn import_chunk(
+    be: &CudaBackend,
+    dev: usize,
+    fd: std::os::fd::BorrowedFd<'_>,
+    fd_offset: u64,
+) -> Result<ChunkHandle> {
+    use std::os::fd::AsRawFd;
+    let _cx = be.enter(dev)?;
+    if fd_offset != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "a CUDA shareable handle has no offset ({fd_offset} given)"
+        )));
+    }
+    let mut h: sys::CUmemGenericAllocationHandle = 0;
+    be.counters.count(Call::MemImport);
+    // SAFETY: `h` is a valid out-pointer; for a POSIX descriptor the
+    // driver takes the descriptor's value in the pointer argument and
+    // does not keep it (`fd` stays the caller's).
+    check("cuMemImportFromShareableHandle", unsafe {
+        sys::cuMemImportFromShareableHandle(
+            &mut h,
+            fd.as_raw_fd() as usize as *mut c_void,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        )
+    })?;
+    Ok(ChunkHandle(h))
 }
 
 pub(super) fn alloc_segment(be: &CudaBackend, dev: usize, bytes: u64) -> Result<DevicePtr> {

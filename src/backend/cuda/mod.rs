@@ -207,6 +207,21 @@ impl Backend for CudaBackend {
         memory::release_chunk(self, dev, chunk)
     }
 
+    fn export_chunk(&self, dev: usize, chunk: ChunkHandle) -> Result<(std::os::fd::OwnedFd, u64)> {
+        memory::export_chunk(self, dev, chunk)
+    }
+
+    fn import_chunk(
+        &self,
+        dev: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+        fd_offset: u64,
+        _bytes: u64,
+    ) -> Result<ChunkHandle> {
+        // The allocation carries its own size.
+        memory::import_chunk(self, dev, fd, fd_offset)
+    }
+
     fn alloc_segment(&self, dev: usize, bytes: u64) -> Result<DevicePtr> {
         memory::alloc_segment(self, dev, bytes)
     }

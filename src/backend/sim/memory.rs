@@ -16,7 +16,8 @@ use super::SimBacking;
 use crate::error::{Error, Result};
 use crate::ptr::ChunkHandle;
 use std::collections::BTreeMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
 
 /// One physical chunk.
 #[derive(Debug)]
@@ -28,6 +29,13 @@ struct Chunk {
     maps: u32,
     /// `cuMemRelease` was called; freed once `maps` reaches zero (CUDA's rule).
     released: bool,
+    /// For a chunk imported from another process: the file holding its
+    /// bytes (at `file_offset`), instead of this device's memfd. Its
+    /// memory is the exporter's: not counted in `used`.
+    import: Option<Arc<OwnedFd>>,
+    /// Exported to another process, which may map its file range after
+    /// this side released it: the range is never reused.
+    exported: bool,
 }
 
 /// The live chunks by handle: a slab indexed by the handle's low 32 bits
@@ -283,9 +291,83 @@ impl DeviceMemory {
             len: bytes,
             maps: 0,
             released: false,
+            import: None,
+            exported: false,
         });
         self.used += bytes;
         Ok(id)
+    }
+
+    /// `cuMemExportToShareableHandle`: a new descriptor of the file holding
+    /// chunk `id` (this device's memfd, or the file it was imported from)
+    /// and the chunk's offset in it. The simulator shares the whole file,
+    /// where a driver shares the chunk alone; the chunk's range of it is
+    /// never reused, since the other process may map it for as long as it
+    /// likes.
+    pub(super) fn export_chunk(&mut self, id: u64) -> Result<(OwnedFd, u64)> {
+        if self.memfd.is_none() {
+            return Err(Error::Unsupported(
+                "export in accounting mode (no memory behind chunks)".into(),
+            ));
+        }
+        let device_fd = self.fd();
+        let c = self
+            .chunks
+            .get_mut(id)
+            .filter(|c| !c.released)
+            .ok_or_else(|| Error::InvalidHandle(format!("chunk {id} on device {}", self.device)))?;
+        let raw = c.import.as_ref().map_or(device_fd, |f| f.as_raw_fd());
+        // SAFETY: `raw` is an open descriptor this device owns (its memfd or
+        // an imported file held in `c.import`) for the whole call.
+        let fd = unsafe { BorrowedFd::borrow_raw(raw) }.try_clone_to_owned()?;
+        c.exported = true;
+        Ok((fd, c.file_offset))
+    }
+
+    /// `cuMemImportFromShareableHandle`: a chunk of `bytes` at `fd_offset`
+    /// of the file `fd` refers to (duplicated; `fd` stays the caller's).
+    pub(super) fn import_chunk(
+        &mut self,
+        fd: BorrowedFd<'_>,
+        fd_offset: u64,
+        bytes: u64,
+    ) -> Result<u64> {
+        self.check_granule("chunk size", bytes)?;
+        if self.memfd.is_none() {
+            return Err(Error::Unsupported(
+                "import in accounting mode (no memory behind chunks)".into(),
+            ));
+        }
+        if fd_offset % PAGE != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "file offset {fd_offset:#x} is not page aligned"
+            )));
+        }
+        // SAFETY: an all-zero `stat` is a valid value; fstat fills it.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `fd` is open (a BorrowedFd) and `st` valid for writes.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(Error::InvalidHandle(format!(
+                "descriptor {}: {}",
+                fd.as_raw_fd(),
+                std::io::Error::last_os_error()
+            )));
+        }
+        if fd_offset.saturating_add(bytes) > st.st_size as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "[{fd_offset:#x}, +{bytes}) lies outside the shared file ({} bytes)",
+                st.st_size
+            )));
+        }
+        let own = fd.try_clone_to_owned()?;
+        Ok(self.chunks.insert(Chunk {
+            file_offset: fd_offset,
+            len: bytes,
+            maps: 0,
+            released: false,
+            import: Some(Arc::new(own)),
+            exported: false,
+        }))
     }
 
     pub(super) fn release_chunk(&mut self, id: u64) -> Result<()> {
@@ -302,8 +384,14 @@ impl DeviceMemory {
     }
 
     fn drop_chunk(&mut self, id: u64) {
-        if let Some(c) = self.chunks.remove(id) {
-            self.used -= c.len;
+        let Some(c) = self.chunks.remove(id) else {
+            return;
+        };
+        if c.import.is_some() {
+            return; // the exporter's memory; the file closes with `c`
+        }
+        self.used -= c.len;
+        if !c.exported {
             self.give_file_range(c.file_offset, c.len);
         }
     }
@@ -722,16 +810,19 @@ fn map_into(
         )));
     }
     if env.backing == SimBacking::Memory {
+        // An imported chunk's bytes are in the file it came from.
+        let fd = c.import.as_ref().map_or(env.fd, |f| f.as_raw_fd());
         // SAFETY: [va, va+bytes) lies inside a PROT_NONE reservation we own
         // and holds no other mapping (checked above), so MAP_FIXED replaces
-        // only our own reservation pages; the file range is inside the memfd.
+        // only our own reservation pages; the file range is inside the memfd
+        // (or, imported, inside the shared file: checked at import).
         let p = unsafe {
             libc::mmap(
                 va as *mut libc::c_void,
                 bytes as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED | libc::MAP_FIXED,
-                env.fd,
+                fd,
                 (c.file_offset + chunk_offset) as libc::off_t,
             )
         };

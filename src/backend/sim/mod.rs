@@ -681,6 +681,29 @@ impl Backend for SimBackend {
         self.dev(dev)?.mem.write().release_chunk(chunk.0)
     }
 
+    fn export_chunk(&self, dev: usize, chunk: ChunkHandle) -> Result<(std::os::fd::OwnedFd, u64)> {
+        self.counters.count(Call::MemExport);
+        self.dev(dev)?.mem.write().export_chunk(chunk.0)
+    }
+
+    fn import_chunk(
+        &self,
+        dev: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+        fd_offset: u64,
+        bytes: u64,
+    ) -> Result<ChunkHandle> {
+        self.counters.count(Call::MemImport);
+        if !self.dev(dev)?.info.vmm_supported {
+            return Err(Error::Unsupported(format!("device {dev} has no VMM")));
+        }
+        self.dev(dev)?
+            .mem
+            .write()
+            .import_chunk(fd, fd_offset, bytes)
+            .map(ChunkHandle)
+    }
+
     fn alloc_segment(&self, dev: usize, bytes: u64) -> Result<DevicePtr> {
         self.counters.count_units(Call::MemAlloc, 1, bytes);
         let mut mem = self.dev(dev)?.mem.write();

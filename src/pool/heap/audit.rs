@@ -35,6 +35,7 @@ impl Heap {
             f.spare = spare.len() as u64 * self.gran;
         }
         f.deferred = self.deferred.len() as u64 * self.gran;
+        f.paused = self.paused_bytes;
         f
     }
 
@@ -139,11 +140,14 @@ impl Heap {
         if self.allocated.values().map(|a| a.len).sum::<u64>() != self.allocated_bytes {
             return Err("allocated byte count drifted".into());
         }
+        self.check_paused()?;
         let f = self.figures();
-        let accounted = f.allocated + f.free_clean + f.free_dirty + f.free_pending + f.spare;
+        // Paused ranges are allocated but hold no physical memory.
+        let accounted =
+            f.allocated - f.paused + f.free_clean + f.free_dirty + f.free_pending + f.spare;
         if accounted != f.reserved {
             return Err(format!(
-                "reserved {} != allocated + free mapped + spare = {accounted}",
+                "reserved {} != allocated - paused + free mapped + spare = {accounted}",
                 f.reserved
             ));
         }
@@ -166,6 +170,9 @@ impl Heap {
                     return Err(format!("ranges cover {covered} of {len} bytes"));
                 }
                 for (a, l) in self.allocated.iter().map(|(a, l)| (a, l.len)) {
+                    if self.paused.contains_key(a) {
+                        continue; // wholly unmapped: `check_paused`
+                    }
                     let first = (a - base) / self.gran;
                     let last = (a + l - 1 - base) / self.gran;
                     if (first..=last).any(|g| granules[g as usize].chunk.is_none()) {
@@ -224,11 +231,13 @@ impl Heap {
 
     /// Every backed piece of the address space in address order, free ranges
     /// clipped to mapped memory, split into runs of adjacent backed memory
-    /// (one run per segment in segment mode).
+    /// (one run per segment in segment mode). Paused ranges hold no memory
+    /// and are left out.
     pub(crate) fn layout(&self) -> Vec<Vec<(u64, u64, Piece)>> {
         let mut items: Vec<(u64, u64, Piece)> = self
             .allocated
             .iter()
+            .filter(|(a, _)| !self.paused.contains_key(a))
             .map(|(&a, l)| (a, l.len, Piece::Allocated))
             .collect();
         for (a, r) in self.by_addr.iter() {

@@ -41,6 +41,8 @@ use std::sync::Arc;
 
 mod audit;
 mod free_ranges;
+mod ipc;
+mod pause;
 mod physical;
 mod stitch;
 #[cfg(test)]
@@ -128,6 +130,8 @@ pub(crate) struct HeapFigures {
     /// Bytes of chunks given back but still mapped at quarantined
     /// addresses (held until their old uses complete).
     pub deferred: u64,
+    /// Bytes of paused allocated ranges (in `allocated`, not backed).
+    pub paused: u64,
 }
 
 /// The per-device large-path heap. Not thread safe by itself: the pool holds
@@ -182,6 +186,9 @@ pub(crate) struct Heap {
     /// `set_memory_limit`; see `limits.rs`): consulted before every chunk
     /// or segment is created.
     pub(crate) limit: super::limits::Limit,
+    /// Paused allocated ranges, addr -> len, and their bytes (`pause.rs`).
+    paused: FxHashMap<u64, u64>,
+    paused_bytes: u64,
 }
 
 /// An allocated range's length and the word its owner keeps with it.
@@ -245,6 +252,8 @@ impl Heap {
             device_frees: 0,
             peers: Vec::new(),
             limit: super::limits::Limit::default(),
+            paused: FxHashMap::default(),
+            paused_bytes: 0,
             backend,
         };
         if info.vmm_supported {
@@ -658,6 +667,9 @@ impl Heap {
                 device: self.dev,
             })?;
         self.allocated_bytes -= len;
+        if !self.paused.is_empty() {
+            self.unpause_on_free(addr);
+        }
         self.insert_free(addr, len, tag);
         self.drop_users(addr, len);
         Ok(len)
