@@ -96,6 +96,9 @@ enum Op {
     BadFree { bad: Bad, stream: bool },
     Harvest,
     Trim,
+    /// A step boundary: plans are built, followed, departed from and
+    /// retired while blocks live.
+    MarkStep,
 }
 
 #[derive(Arbitrary, Debug)]
@@ -346,6 +349,11 @@ impl<'a> Model<'a> {
             }
             Op::Trim => {
                 self.dev.trim().unwrap_or_else(|e| panic!("trim: {e}"));
+            }
+            Op::MarkStep => {
+                self.dev
+                    .mark_step()
+                    .unwrap_or_else(|e| panic!("mark_step: {e}"));
             }
         }
     }
