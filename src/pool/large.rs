@@ -1,0 +1,382 @@
+//! The large path of a device pool: large requests served from the heap
+//! (best fit over the device's virtual-address space, granules mapped on
+//! demand), the order of fallbacks before out of memory, and the side
+//! effects of taking pending memory (handover) or aliased granules.
+
+use super::heap::{self, Tag};
+use super::pending::{Pending, Waits};
+use super::size_class::ALIGN;
+use super::{HeapState, LargeLive, PoolShared, Stream};
+use crate::error::Result;
+use std::sync::atomic::Ordering::Relaxed;
+
+impl PoolShared {
+    /// A large range of `len` bytes (or, from the parking cache, up to
+    /// 3/64 more): `(addr, its length)`.
+    pub(super) fn alloc_large(
+        &self,
+        len: u64,
+        live: LargeLive,
+        stream: &Stream,
+    ) -> Result<(u64, u64)> {
+        let size = live.requested;
+        let keep = |h: &mut HeapState, addr: u64| {
+            h.heap.set_taken_owner(addr, live.word());
+            Ok((addr, len))
+        };
+        {
+            let mut h = self.heap.lock();
+            if let Some((addr, parked)) = stream.slot().and_then(|s| h.exact.take(s, len)) {
+                h.heap.set_owner(addr, live.word());
+                return Ok((addr, parked));
+            }
+            if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
+                return keep(&mut h, t.addr);
+            }
+            // Merged with their neighbours, parked ranges often fit where
+            // none did: take that before any handover or growth.
+            if Self::unpark(&mut h) {
+                if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
+                    return keep(&mut h, t.addr);
+                }
+            }
+            // (The list also reads empty while another thread harvests it:
+            // pending memory may be in the heap all the same.)
+            if self.pending.is_empty() {
+                if let Some(t) = self.reuse_or_grow(&mut h, len, stream)? {
+                    return keep(&mut h, t.addr);
+                }
+            }
+        }
+        let flush_others = {
+            let h = self.heap.lock();
+            h.heap
+                .dirty_elsewhere_at_least(stream.slot(), len.saturating_sub(h.exact.bytes))
+        };
+        if flush_others {
+            // Other streams hold enough freed memory: flush it (one event
+            // per stream, no host wait) instead of growing; the handover
+            // below orders this stream after those events.
+            self.reclaim();
+        }
+        if !self.pending.is_empty() {
+            // Before growing: reuse what other streams freed. Harvest
+            // completed frees (non-blocking), then take memory already
+            // backed, pending memory included by handover, and only then
+            // grow. Without this, cross-stream frees pile up between
+            // maintenance ticks and every stream grows its own cache.
+            self.harvest();
+            let mut h = self.heap.lock();
+            if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
+                return keep(&mut h, t.addr);
+            }
+            if let Some(t) = self.reuse_or_grow(&mut h, len, stream)? {
+                return keep(&mut h, t.addr);
+            }
+        }
+        self.counters.retries.fetch_add(1, Relaxed);
+        self.harvest();
+        self.reclaim();
+        let mut h = self.heap.lock();
+        if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, self.cfg.handover)? {
+            return keep(&mut h, t.addr);
+        }
+        drop(h);
+        // The way to out of memory: wait for what is in flight, then once more.
+        self.wait_before_oom();
+        let mut h = self.heap.lock();
+        Self::unpark(&mut h);
+        match self.heap_alloc_or_oom(&mut h, len, stream, self.cfg.handover)? {
+            Some(t) => keep(&mut h, t.addr),
+            None => {
+                drop(h);
+                Err(self.oom(size))
+            }
+        }
+    }
+
+    /// A large request that no single clean or own-dirty backed range
+    /// serves, in order: a backed pending range by handover, a run of
+    /// adjacent backed ranges with different tags (`handover_run`), then
+    /// the heap's best fit, whose stitching may also take idle granules of
+    /// pending memory (the stream waits on their groups on the device) and
+    /// only then maps new memory. Out of memory is `None`.
+    fn reuse_or_grow(
+        &self,
+        h: &mut HeapState,
+        len: u64,
+        stream: &Stream,
+    ) -> Result<Option<heap::Taken>> {
+        match self.handover_backed(h, len, ALIGN, stream) {
+            Some(Ok(t)) => return Ok(Some(t)),
+            Some(Err(e)) if !e.is_oom() => return Err(e),
+            _ => {}
+        }
+        if let Some(t) = self.handover_run(h, len, stream).transpose()? {
+            return Ok(Some(t));
+        }
+        self.heap_alloc_or_oom(h, len, stream, self.cfg.handover)
+    }
+
+    /// [`PoolShared::heap_alloc`] for a large block, with out of memory as
+    /// `None` (the caller tries harder) and other errors passed on.
+    fn heap_alloc_or_oom(
+        &self,
+        h: &mut HeapState,
+        len: u64,
+        stream: &Stream,
+        pending_ok: bool,
+    ) -> Result<Option<heap::Taken>> {
+        match self.heap_alloc(h, len, ALIGN, stream, pending_ok) {
+            Ok(t) => Ok(Some(t)),
+            Err(e) if e.is_oom() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Gives every parked large range to the heap (see `exact.rs`);
+    /// whether there was any.
+    pub(super) fn unpark(h: &mut HeapState) -> bool {
+        if h.exact.is_empty() {
+            return false;
+        }
+        let HeapState { exact, heap, .. } = h;
+        exact.drain_sorted(|slot, ranges| heap.free_many(ranges, Tag::Dirty(slot)));
+        true
+    }
+
+    /// One heap allocation for `stream`, with its side effects handled:
+    /// the stream waits on any pending groups it takes memory from, and
+    /// granules aliased by stitching get an event on the stream.
+    pub(super) fn heap_alloc(
+        &self,
+        h: &mut HeapState,
+        len: u64,
+        align: u64,
+        stream: &Stream,
+        pending_ok: bool,
+    ) -> Result<heap::Taken> {
+        let device_allocs = h.heap.device_allocs;
+        if pending_ok {
+            // A group with a stream whose event could not be recorded
+            // cannot be waited on (only `trim` releases it): the heap must
+            // neither hand it over nor stitch its granules.
+            let HeapState {
+                heap, group_events, ..
+            } = &mut *h;
+            heap.set_blocked(
+                group_events
+                    .iter()
+                    .filter(|(_, w)| !w.unrecorded.is_empty())
+                    .map(|(&id, _)| id),
+            );
+        }
+        let r = h.heap.alloc(len, align, stream.slot(), pending_ok);
+        if h.heap.device_allocs != device_allocs {
+            self.counters.grown.fetch_add(1, Relaxed);
+            // Grew while other streams sit on freed memory: have the
+            // maintenance step make it reusable by all (a single-stream
+            // workload never pays for this).
+            if h.heap.dirty_elsewhere_at_least(stream.slot(), 1) {
+                self.flush_wanted.store(true, Relaxed);
+            }
+            self.counters
+                .peak_reserved
+                .fetch_max(h.heap.reserved(), Relaxed);
+        }
+        self.finish_taken(h, r, stream)
+    }
+
+    /// Memory the heap already backs, from a pending range handed over:
+    /// the stream waits on the range's events on the device (see
+    /// `finish_taken`). `None` when handover is off or nothing fits.
+    fn handover_backed(
+        &self,
+        h: &mut HeapState,
+        len: u64,
+        align: u64,
+        stream: &Stream,
+    ) -> Option<Result<heap::Taken>> {
+        if !self.cfg.handover {
+            return None;
+        }
+        // Groups with a stream whose event could not be recorded cannot be
+        // waited on: only trim releases them.
+        let events = &h.group_events;
+        let r = h
+            .heap
+            .alloc_pending_backed(len, align, stream.slot(), |id| {
+                events.get(&id).is_some_and(|w| w.unrecorded.is_empty())
+            })?;
+        Some(self.finish_taken(h, r, stream))
+    }
+
+    /// Memory the heap already backs, from a run of adjacent free ranges
+    /// with different tags (clean, dirty on this stream, pending groups),
+    /// for a request no single free range serves: such neighbours never
+    /// merge, so without this their memory is stranded and the pool grows
+    /// beside it. The stream first waits on the run's pending groups on
+    /// the device (no host sync), then takes the run. `None` when handover
+    /// is off, the stream has no slot, or no run fits.
+    fn handover_run(
+        &self,
+        h: &mut HeapState,
+        len: u64,
+        stream: &Stream,
+    ) -> Option<Result<heap::Taken>> {
+        if !self.cfg.handover {
+            return None;
+        }
+        let slot = stream.slot()?;
+        // As in `handover_backed`: groups with an unrecorded stream cannot
+        // be waited on.
+        let events = &h.group_events;
+        let (start, ids) = h.heap.find_run(len, ALIGN, slot, |id| {
+            events.get(&id).is_some_and(|w| w.unrecorded.is_empty())
+        })?;
+        for id in &ids {
+            let w = h.group_events.get(id).cloned().unwrap_or_default();
+            // Nothing is taken yet: a failed wait leaves the heap as it was
+            // (the waits already made only delay the stream).
+            if let Err(e) = self.wait_on(stream, &w) {
+                return Some(Err(e));
+            }
+        }
+        let t = h.heap.take_run(start, len, slot)?;
+        if !ids.is_empty() {
+            self.counters.handovers.fetch_add(1, Relaxed);
+        }
+        Some(Ok(t))
+    }
+
+    /// The side effects of a heap allocation: the stream waits on any
+    /// pending groups it takes memory from, and granules aliased by
+    /// stitching get an event on the stream.
+    fn finish_taken(
+        &self,
+        h: &mut HeapState,
+        r: Result<heap::Taken>,
+        stream: &Stream,
+    ) -> Result<heap::Taken> {
+        // Order the stream after every pending group it takes memory from
+        // (its range's own, and those of aliased granules) *before* the
+        // quarantine event is recorded on it: that event then completes only
+        // after every old use of the aliased chunks.
+        let mut ids = h.heap.take_steal_waits();
+        if let Ok(t) = &r {
+            ids.extend(&t.waits);
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        let mut waited = Ok(());
+        for id in &ids {
+            let w = h.group_events.get(id).cloned().unwrap_or_default();
+            if let Err(e) = self.wait_on(stream, &w) {
+                waited = Err(e);
+                break;
+            }
+        }
+        if let Err(e) = &waited {
+            // A device-side wait failed: wait on the host instead (an error
+            // path, like the way to out of memory), which orders everything
+            // after those uses just as well.
+            tracing::warn!(
+                device = self.dev,
+                "cuStreamWaitEvent failed ({e}); waiting on the host"
+            );
+            if self.sync_groups(h, &ids).is_ok() {
+                waited = Ok(());
+            }
+        }
+        let q = h.heap.take_quarantine();
+        if !q.is_empty() {
+            let waits = match waited {
+                Ok(()) => self.record_events(stream.core(), &[]),
+                // Without the waits, only trim (which syncs everything
+                // pending first) may release these granules.
+                Err(_) => Waits {
+                    events: Vec::new(),
+                    unrecorded: vec![stream.core().clone()],
+                },
+            };
+            h.quarantine.push((waits, q));
+        }
+        let t = r?;
+        if let Err(e) = waited {
+            // The range may hold chunks of pending memory whose uses neither
+            // this stream nor the host could wait for: it goes back as a
+            // pending group of its own that only `trim` (which syncs every
+            // pending use first) releases, never under its old tag.
+            let id = h.heap.new_pending_group();
+            h.heap
+                .free(t.addr, Tag::Pending(id))
+                .expect("just allocated");
+            h.group_events.insert(
+                id,
+                Waits {
+                    events: Vec::new(),
+                    unrecorded: vec![stream.core().clone()],
+                },
+            );
+            self.pending.push(Pending::Group { id });
+            return Err(e);
+        }
+        if !ids.is_empty() {
+            self.counters.handovers.fetch_add(1, Relaxed);
+        }
+        Ok(t)
+    }
+
+    /// Waits on the host for every pending heap group's uses and makes its
+    /// memory clean, whether or not its record is on the pending list (a
+    /// harvesting thread may hold it: it then finds the group done).
+    /// Out-of-memory path only.
+    pub(super) fn complete_groups_on_host(&self) {
+        let groups: Vec<(u32, Waits)> = {
+            let h = self.heap.lock();
+            h.group_events
+                .iter()
+                .map(|(&id, w)| (id, w.clone()))
+                .collect()
+        };
+        for (id, w) in groups {
+            let synced = w.events.iter().all(|&e| self.host_sync_event(e).is_ok())
+                && w.unrecorded
+                    .iter()
+                    .all(|s| s.is_dead() || self.host_sync_stream(s.handle).is_ok());
+            if !synced {
+                continue;
+            }
+            let mut h = self.heap.lock();
+            // Still the same group (not completed and replaced meanwhile).
+            let same = h
+                .group_events
+                .get(&id)
+                .is_some_and(|now| now.events == w.events);
+            if same {
+                h.heap.complete_pending(id);
+                if let Some(w) = h.group_events.remove(&id) {
+                    self.recycle_events(w);
+                }
+            }
+        }
+    }
+
+    /// Blocks the host until every use of pending groups `ids` completed
+    /// (error paths only).
+    fn sync_groups(&self, h: &HeapState, ids: &[u32]) -> Result<()> {
+        for id in ids {
+            if let Some(w) = h.group_events.get(id) {
+                for &e in &w.events {
+                    self.host_sync_event(e)?;
+                }
+                for s in &w.unrecorded {
+                    if !s.is_dead() {
+                        self.host_sync_stream(s.handle)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
