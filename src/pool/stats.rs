@@ -442,3 +442,49 @@ impl PoolStats {
         m
     }
 }
+
+impl super::PoolShared {
+    /// The pool's statistics now (see [`PoolStats`]).
+    pub(super) fn stats(&self) -> PoolStats {
+        let (requested, allocated, allocs, frees) = self.counters.totals();
+        let (reserved, heap_pending, overhead, device_allocs, device_frees, releasable, paused) = {
+            let h = self.heap.lock_quiet();
+            let f = h.heap.figures();
+            (
+                f.reserved,
+                f.free_pending,
+                h.slab_tail_bytes,
+                h.heap.device_allocs,
+                h.heap.device_frees,
+                h.heap.releasable_bytes(),
+                f.paused,
+            )
+        };
+        let pending = heap_pending
+            + self.counters.pending_slot_bytes.load(Relaxed)
+            + self.movable.held_bytes()
+            + self.plans.fenced_bytes();
+        // Paused blocks are allocated but hold no device memory.
+        let cached = (reserved + paused).saturating_sub(allocated + pending + overhead);
+        let figures = Figures {
+            device: self.dev,
+            requested,
+            allocated,
+            reserved,
+            pending,
+            cached,
+            overhead,
+            inactive_split: cached.saturating_sub(releasable),
+            paused,
+        };
+        PoolStats {
+            num_allocs: allocs,
+            num_frees: frees,
+            num_device_allocs: device_allocs,
+            num_device_frees: device_frees,
+            heap_lock_acquisitions: self.heap.acquisitions(),
+            host_syncs: self.backend.counters().host_syncs_of(self.dev),
+            ..self.counters.derive(&figures)
+        }
+    }
+}

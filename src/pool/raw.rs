@@ -1,0 +1,165 @@
+//! Raw pointers (the C ABI and PyTorch path, which keep only an address):
+//! finding the block behind an address, freeing it, and the streams
+//! recorded for it (`record_stream`). A bad pointer (unknown, interior,
+//! freed, a block's) is a typed error that changes nothing.
+
+use super::*;
+
+impl PoolShared {
+    /// The slab id holding `addr`, if it lies in a slab.
+    pub(super) fn slab_holding(&self, addr: u64) -> Option<u32> {
+        let id = self.slab_index.lookup(addr)?;
+        let (base, class, _) = self.slabs.slab_info(id);
+        (base != 0 && addr >= base && addr < base + self.slabs.slab_bytes(class)).then_some(id)
+    }
+
+    pub(super) fn free_raw(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
+        self.check_live()?;
+        self.check_stream(stream)?;
+        let addr = ptr.addr();
+        if let Some(id) = self.slab_holding(addr) {
+            let Some(slot) = self.slabs.slot_at(id, addr) else {
+                return Err(Error::UnknownPointer {
+                    ptr: addr,
+                    device: self.dev,
+                });
+            };
+            if !self.slabs.unmark_raw(slot.idx) {
+                return Err(Error::DoubleFree {
+                    ptr: addr,
+                    device: self.dev,
+                });
+            }
+            let requested = self.slabs.requested(slot.idx);
+            let kind = Kind::Small {
+                idx: slot.idx,
+                class: slot.class as u16,
+            };
+            // Only once the free is valid: a bad one changes nothing.
+            let extra = self.take_recorded_streams(addr);
+            self.free_block(ptr, kind, requested, stream, &extra);
+            return Ok(());
+        }
+        if self.plans.enabled() {
+            if let Some(l) = self.plans.live_at(addr) {
+                if !l.raw {
+                    return Err(Error::InvalidArgument(format!(
+                        "{addr:#x} is a block, not a raw allocation"
+                    )));
+                }
+                let extra = self.take_recorded_streams(addr);
+                self.free_block(ptr, Kind::Large { len: l.len }, l.requested, stream, &extra);
+                return Ok(());
+            }
+            if self.plans.in_arena(addr) {
+                // Inside a learned step's arena and not live: freed already.
+                return Err(Error::DoubleFree {
+                    ptr: addr,
+                    device: self.dev,
+                });
+            }
+        }
+        let (requested, len) = {
+            let mut h = self.heap.lock();
+            let requested = match LargeLive::at(&mut h.heap, addr) {
+                Some(l) if l.raw => l.requested,
+                Some(_) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{addr:#x} is a block, not a raw allocation"
+                    )))
+                }
+                // Not live: if the address starts free or parked memory of
+                // this pool, it was freed already.
+                None if h.heap.allocated_len(addr).is_some() || h.heap.is_free(addr) => {
+                    return Err(Error::DoubleFree {
+                        ptr: addr,
+                        device: self.dev,
+                    })
+                }
+                None => {
+                    return Err(Error::UnknownPointer {
+                        ptr: addr,
+                        device: self.dev,
+                    })
+                }
+            };
+            h.heap.set_owner(addr, 0);
+            (
+                requested,
+                h.heap
+                    .allocated_len(addr)
+                    .expect("raw large blocks are allocated"),
+            )
+        };
+        let extra = self.take_recorded_streams(addr);
+        self.free_block(ptr, Kind::Large { len }, requested, stream, &extra);
+        Ok(())
+    }
+
+    /// Removes and returns the streams recorded for the allocation at
+    /// `addr` (none if there are none).
+    pub(crate) fn take_recorded_streams(&self, addr: u64) -> Vec<Arc<StreamCore>> {
+        // A record_stream happens before the free it orders (the caller's
+        // contract), so a count of 0 read here means none for `addr`.
+        if self
+            .recorded_entries
+            .load(std::sync::atomic::Ordering::Acquire)
+            == 0
+        {
+            return Vec::new();
+        }
+        let mut m = self.recorded_streams.lock();
+        let v = m.remove(&addr);
+        if v.is_some() {
+            self.recorded_entries
+                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        }
+        v.unwrap_or_default()
+    }
+
+    /// Records that the allocation at `addr` is used on stream `s` too
+    /// (once per stream).
+    pub(crate) fn add_recorded_stream(&self, addr: u64, s: &Arc<StreamCore>) {
+        let mut m = self.recorded_streams.lock();
+        let v = m.entry(addr).or_insert_with(|| {
+            self.recorded_entries
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            Vec::new()
+        });
+        if !v.iter().any(|c| Arc::ptr_eq(c, s)) {
+            v.push(s.clone());
+        }
+    }
+
+    pub(super) fn raw_size(&self, ptr: DevicePtr) -> Option<u64> {
+        let addr = ptr.addr();
+        if let Some(id) = self.slab_holding(addr) {
+            let slot = self.slabs.slot_at(id, addr)?;
+            return self
+                .slabs
+                .is_raw_live(slot.idx)
+                .then(|| self.slabs.requested(slot.idx));
+        }
+        if self.plans.enabled() {
+            if let Some(l) = self.plans.live_at(addr) {
+                return l.raw.then_some(l.requested);
+            }
+        }
+        LargeLive::at(&mut self.heap.lock_quiet().heap, addr)
+            .filter(|l| l.raw)
+            .map(|l| l.requested)
+    }
+
+    pub(super) fn record_stream_raw(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
+        self.check_live()?;
+        self.check_stream(stream)?;
+        if self.raw_size(ptr).is_none() {
+            return Err(Error::UnknownPointer {
+                ptr: ptr.addr(),
+                device: self.dev,
+            });
+        }
+        self.add_recorded_stream(ptr.addr(), stream.core());
+        Ok(())
+    }
+}
