@@ -79,5 +79,49 @@ fn two_threads(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, gpupool_small, gpupool_large, two_threads);
+/// A 4 KiB pair through each door a caller can use: the Rust API (RAII
+/// block), raw pointers, the C ABI and PyTorch's allocator hook (the
+/// process-wide runtime of the C ABI, on the simulator).
+fn doors(c: &mut Criterion) {
+    use gpupool::ffi::{
+        gpupool_alloc, gpupool_free, gpupool_init, gpupool_shutdown, gpupool_torch_free,
+        gpupool_torch_malloc,
+    };
+    let rt = runtime();
+    let dev = rt.device(0).unwrap();
+    let s = dev.new_stream().unwrap();
+    let mut g = c.benchmark_group("small_pair_4096_by_door");
+    g.bench_function("rust_api", |b| {
+        b.iter(|| black_box(dev.alloc(4 * KIB, &s).unwrap().ptr()))
+    });
+    g.bench_function("rust_raw", |b| {
+        b.iter(|| {
+            let p = dev.alloc_raw(4 * KIB, &s).unwrap();
+            dev.free_raw(black_box(p), &s).unwrap()
+        })
+    });
+    let conf = c"backend=sim,devices=1,backing=accounting,capacity=8GiB,maint_ms=0";
+    // SAFETY: a NUL-terminated string that outlives the call.
+    assert_eq!(unsafe { gpupool_init(conf.as_ptr()) }, 0);
+    let null = std::ptr::null_mut();
+    g.bench_function("c_abi", |b| {
+        b.iter(|| {
+            let mut p = null;
+            // SAFETY: `p` is valid for one pointer write.
+            assert_eq!(unsafe { gpupool_alloc(4 * KIB, 0, null, &mut p) }, 0);
+            assert_eq!(gpupool_free(black_box(p), 0, null), 0);
+        })
+    });
+    g.bench_function("torch_hook", |b| {
+        b.iter(|| {
+            let p = gpupool_torch_malloc(4 * KIB as libc::ssize_t, 0, null);
+            assert!(!p.is_null());
+            gpupool_torch_free(black_box(p), 4 * KIB as libc::ssize_t, 0, null);
+        })
+    });
+    g.finish();
+    assert_eq!(gpupool_shutdown(), 0);
+}
+
+criterion_group!(benches, gpupool_small, gpupool_large, two_threads, doors);
 criterion_main!(benches);

@@ -209,7 +209,9 @@ extern "C" {
  * `GPUPOOL_CONF` environment variable (defaults where unset). Returns
  * `GPUPOOL_STATUS_CONFIG` naming the bad key, `GPUPOOL_STATUS_NO_DRIVER` for
  * `backend=cuda` without a GPU, `GPUPOOL_STATUS_ALREADY_INITIALIZED` when a
- * runtime is running. After `gpupool_shutdown` it starts a fresh runtime.
+ * runtime is running, `GPUPOOL_STATUS_INVALID_ARGUMENT` from inside a
+ * gpupool call (an out-of-memory callback). After `gpupool_shutdown` it
+ * starts a fresh runtime.
  *
  * # Safety
  * `conf` is NULL or a NUL-terminated string.
@@ -220,7 +222,9 @@ int gpupool_init(const char *conf);
  * Stops the runtime: waits for calls in flight, then releases every pool,
  * stream and byte of device memory. Pointers still live become invalid.
  * Later calls return `GPUPOOL_STATUS_SHUTDOWN` until `gpupool_init` runs
- * again.
+ * again. From inside a gpupool call (an out-of-memory callback) it is
+ * refused with `GPUPOOL_STATUS_INVALID_ARGUMENT`: it would wait for that
+ * very call.
  */
 int gpupool_shutdown(void);
 

@@ -259,8 +259,9 @@ impl Runtime {
     }
 
     /// The pool of device `dev`, built on first use.
+    #[inline]
     pub fn device(&self, dev: usize) -> Result<&DevicePool> {
-        let slot = self.pools.get(dev).ok_or(Error::InvalidDevice {
+        let slot = self.pools.get(dev).ok_or_else(|| Error::InvalidDevice {
             device: dev,
             count: self.pools.len(),
         })?;

@@ -3,10 +3,19 @@
 //! `gpupool_shutdown`, `gpupool_device_count`), and the checks every call
 //! makes on its device index and stream handle.
 //!
-//! Invariant: every call runs under the read lock of [`GLOBAL`] (through
-//! [`with_state`]) for its whole duration; `gpupool_init` and
-//! `gpupool_shutdown` are the only writers, so `gpupool_shutdown` waits for
-//! calls in flight and no call ever sees a half-torn-down runtime.
+//! Invariants:
+//! - Every call runs under a read lock of [`GLOBAL`] (through
+//!   [`with_state`]) for its whole duration; `gpupool_init` and
+//!   `gpupool_shutdown` are the only writers, so `gpupool_shutdown` waits
+//!   for calls in flight and no call ever sees a half-torn-down runtime.
+//! - The lock is sharded (crossbeam's `ShardedLock`): a reader locks only
+//!   its own thread's shard, so concurrent calls from many threads write
+//!   no shared cache line; writers (init, shutdown) lock every shard.
+//! - A call made from inside a call on the same thread (an out-of-memory
+//!   callback reading statistics) takes no second read lock: [`CURRENT`]
+//!   holds the outer call's state for exactly as long as the outer call
+//!   holds the lock. Init and shutdown from inside a call are refused (the
+//!   write lock would wait for the caller's own read lock forever).
 
 use super::limits::call_oom_callback;
 use super::status::{status, FResult, Fail, GpupoolStatus};
@@ -16,10 +25,12 @@ use crate::error::Error;
 use crate::pool::{DevicePool, Stream};
 use crate::ptr::{DevicePtr, StreamHandle};
 use crate::runtime::Runtime;
-use parking_lot::RwLock;
+use crossbeam_utils::sync::ShardedLock;
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{LazyLock, PoisonError};
 
 /// A stream known to the ABI.
 pub(super) struct Known {
@@ -28,15 +39,43 @@ pub(super) struct Known {
     pub(super) created: bool,
 }
 
+/// Per device: raw stream handle -> stream. Sharded like [`GLOBAL`]: every
+/// call on a stream other than the default one reads it.
+pub(super) type StreamMap = ShardedLock<HashMap<u64, Known>>;
+
 /// Everything `gpupool_init` builds.
 pub(super) struct State {
     pub(super) rt: Runtime,
     /// Whether the backend is the simulator (no foreign streams there).
     sim: bool,
-    /// Per device: raw stream handle -> stream.
-    pub(super) streams: Vec<RwLock<HashMap<u64, Known>>>,
+    /// Per device: the streams the ABI knows.
+    pub(super) streams: Vec<StreamMap>,
     /// Per device: whether the pool calls the C out-of-memory callback.
     oom_hooked: Vec<AtomicBool>,
+}
+
+impl State {
+    /// The stream map of device `dev`, read.
+    pub(super) fn read_streams(
+        &self,
+        dev: usize,
+    ) -> crossbeam_utils::sync::ShardedLockReadGuard<'_, HashMap<u64, Known>> {
+        // A panic never happens while a stream map is locked for writing
+        // (inserts and removals only); a poisoned map is still consistent.
+        self.streams[dev]
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The stream map of device `dev`, written.
+    pub(super) fn write_streams(
+        &self,
+        dev: usize,
+    ) -> crossbeam_utils::sync::ShardedLockWriteGuard<'_, HashMap<u64, Known>> {
+        self.streams[dev]
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 enum Global {
@@ -45,19 +84,53 @@ enum Global {
     Shut,
 }
 
-/// The runtime. Calls hold the read lock for their whole duration, so
-/// `gpupool_shutdown` (the only writer besides init) waits for calls in
-/// flight and no call ever sees a half-torn-down runtime.
-static GLOBAL: RwLock<Global> = parking_lot::const_rwlock(Global::Uninit);
+/// The runtime. Calls hold a read lock (their thread's shard) for their
+/// whole duration, so `gpupool_shutdown` (the only writer besides init)
+/// waits for calls in flight and no call ever sees a half-torn-down runtime.
+static GLOBAL: LazyLock<ShardedLock<Global>> = LazyLock::new(|| ShardedLock::new(Global::Uninit));
+
+thread_local! {
+    /// The state of the call this thread is inside, while that call holds
+    /// its read lock of [`GLOBAL`]; null outside calls.
+    static CURRENT: Cell<*const State> = const { Cell::new(std::ptr::null()) };
+}
 
 static LOG_INSTALLED: AtomicBool = AtomicBool::new(false);
 
+/// Publishes the state in [`CURRENT`] for the duration of a call; clears
+/// it on return and on unwind.
+struct Entered;
+
+impl Entered {
+    fn new(st: &State) -> Entered {
+        CURRENT.with(|c| c.set(st));
+        Entered
+    }
+}
+
+impl Drop for Entered {
+    fn drop(&mut self) {
+        CURRENT.with(|c| c.set(std::ptr::null()));
+    }
+}
+
+#[inline]
 pub(super) fn with_state<T>(f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> {
-    // Recursive: an out-of-memory callback runs inside a call and may call
-    // in again (to read statistics) while `gpupool_shutdown` waits.
-    let g = GLOBAL.read_recursive();
+    let cur = CURRENT.with(Cell::get);
+    if !cur.is_null() {
+        // SAFETY: `cur` was published by an outer call on this thread,
+        // which holds its read lock of GLOBAL (keeping the boxed state
+        // alive and unmoved) until it clears CURRENT.
+        return f(unsafe { &*cur });
+    }
+    // A panic never happens under the write lock (init and shutdown swap
+    // the value); a poisoned lock still holds a consistent value.
+    let g = GLOBAL.read().unwrap_or_else(PoisonError::into_inner);
     match &*g {
-        Global::Live(s) => f(s),
+        Global::Live(s) => {
+            let _entered = Entered::new(s);
+            f(s)
+        }
         Global::Uninit => Err(Fail::new(
             GpupoolStatus::NotInitialized,
             "gpupool is not initialized: call gpupool_init first",
@@ -67,6 +140,21 @@ pub(super) fn with_state<T>(f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> 
             "gpupool is shut down (gpupool_shutdown was called); gpupool_init starts it again",
         )),
     }
+}
+
+/// The write lock of [`GLOBAL`], refused inside a call on this thread.
+fn write_global(
+    what: &str,
+) -> FResult<crossbeam_utils::sync::ShardedLockWriteGuard<'static, Global>> {
+    if !CURRENT.with(Cell::get).is_null() {
+        return Err(Fail::new(
+            GpupoolStatus::InvalidArgument,
+            format!(
+                "{what} cannot be called from inside a gpupool call (an out-of-memory callback)"
+            ),
+        ));
+    }
+    Ok(GLOBAL.write().unwrap_or_else(PoisonError::into_inner))
 }
 
 fn install_logging() -> FResult<()> {
@@ -94,7 +182,7 @@ fn init_from(conf: Option<&str>) -> FResult<()> {
         None => PoolConfig::from_env()?,
     };
     install_logging()?;
-    let mut g = GLOBAL.write();
+    let mut g = write_global("gpupool_init")?;
     if let Global::Live(_) = &*g {
         return Err(Fail::new(
             GpupoolStatus::AlreadyInitialized,
@@ -109,7 +197,7 @@ fn init_from(conf: Option<&str>) -> FResult<()> {
         "gpupool initialized through the C ABI"
     );
     let streams = (0..rt.device_count())
-        .map(|_| RwLock::new(HashMap::new()))
+        .map(|_| ShardedLock::new(HashMap::new()))
         .collect();
     let oom_hooked = (0..rt.device_count())
         .map(|_| AtomicBool::new(false))
@@ -126,7 +214,11 @@ fn init_from(conf: Option<&str>) -> FResult<()> {
 /// Initializes from `GPUPOOL_CONF` unless a runtime was started (or shut
 /// down): the PyTorch hooks' implicit `gpupool_init`.
 pub(super) fn ensure_init() -> FResult<()> {
-    let uninit = matches!(&*GLOBAL.read(), Global::Uninit);
+    let uninit = CURRENT.with(Cell::get).is_null()
+        && matches!(
+            &*GLOBAL.read().unwrap_or_else(PoisonError::into_inner),
+            Global::Uninit
+        );
     if uninit {
         match init_from(None) {
             Err(f) if f.status == GpupoolStatus::AlreadyInitialized => {}
@@ -137,6 +229,7 @@ pub(super) fn ensure_init() -> FResult<()> {
 }
 
 impl State {
+    #[inline]
     pub(super) fn pool(&self, device: c_int) -> FResult<&DevicePool> {
         let n = self.rt.device_count();
         let d = usize::try_from(device)
@@ -162,6 +255,7 @@ impl State {
     }
 
     /// Runs `f` with the pool of `device` and the stream `handle` of it.
+    #[inline]
     pub(super) fn with_stream<T>(
         &self,
         device: c_int,
@@ -181,13 +275,13 @@ impl State {
             return f(pool, &s);
         }
         {
-            let m = self.streams[dev].read();
+            let m = self.read_streams(dev);
             if let Some(k) = m.get(&h) {
                 return f(pool, &k.stream);
             }
         }
         if let Some(other) =
-            (0..self.streams.len()).find(|&d| d != dev && self.streams[d].read().contains_key(&h))
+            (0..self.streams.len()).find(|&d| d != dev && self.read_streams(d).contains_key(&h))
         {
             return Err(Fail::new(
                 GpupoolStatus::InvalidHandle,
@@ -205,7 +299,7 @@ impl State {
         }
         // A stream created elsewhere (PyTorch's): wrap it once, keep it.
         let stream = {
-            let mut m = self.streams[dev].write();
+            let mut m = self.write_streams(dev);
             m.entry(h)
                 .or_insert_with(|| Known {
                     stream: pool.stream_from_raw(StreamHandle(h)),
@@ -262,7 +356,9 @@ pub(super) fn check_device_or_all(st: &State, device: c_int) -> FResult<Vec<usiz
 /// `GPUPOOL_CONF` environment variable (defaults where unset). Returns
 /// `GPUPOOL_STATUS_CONFIG` naming the bad key, `GPUPOOL_STATUS_NO_DRIVER` for
 /// `backend=cuda` without a GPU, `GPUPOOL_STATUS_ALREADY_INITIALIZED` when a
-/// runtime is running. After `gpupool_shutdown` it starts a fresh runtime.
+/// runtime is running, `GPUPOOL_STATUS_INVALID_ARGUMENT` from inside a
+/// gpupool call (an out-of-memory callback). After `gpupool_shutdown` it
+/// starts a fresh runtime.
 ///
 /// # Safety
 /// `conf` is NULL or a NUL-terminated string.
@@ -282,12 +378,14 @@ pub unsafe extern "C" fn gpupool_init(conf: *const c_char) -> c_int {
 /// Stops the runtime: waits for calls in flight, then releases every pool,
 /// stream and byte of device memory. Pointers still live become invalid.
 /// Later calls return `GPUPOOL_STATUS_SHUTDOWN` until `gpupool_init` runs
-/// again.
+/// again. From inside a gpupool call (an out-of-memory callback) it is
+/// refused with `GPUPOOL_STATUS_INVALID_ARGUMENT`: it would wait for that
+/// very call.
 #[no_mangle]
 pub extern "C" fn gpupool_shutdown() -> c_int {
     status("gpupool_shutdown", || {
         let old = {
-            let mut g = GLOBAL.write();
+            let mut g = write_global("gpupool_shutdown")?;
             match &mut *g {
                 live @ Global::Live(_) => std::mem::replace(live, Global::Shut),
                 Global::Uninit => {

@@ -197,6 +197,9 @@ pub(super) type FResult<T> = std::result::Result<T, Fail>;
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
     static NEEDED: Cell<usize> = const { Cell::new(0) };
+    /// Whether LAST_ERROR holds a message: one plain thread-local read on
+    /// the fast path (every successful call) instead of a borrow.
+    static HAS_MESSAGE: Cell<bool> = const { Cell::new(false) };
 }
 
 fn set_message(msg: &str) {
@@ -206,20 +209,23 @@ fn set_message(msg: &str) {
     let _ = LAST_ERROR.try_with(|l| {
         if let Ok(mut l) = l.try_borrow_mut() {
             *l = c;
+            HAS_MESSAGE.with(|h| h.set(true));
         }
     });
 }
 
 /// After a success: the message becomes `""`, with no allocation when it
 /// already is (every call on the fast path succeeds).
+#[inline]
 fn clear_message() {
-    let _ = LAST_ERROR.try_with(|l| {
-        if let Ok(mut l) = l.try_borrow_mut() {
-            if !l.as_bytes().is_empty() {
+    if HAS_MESSAGE.with(Cell::get) {
+        let _ = LAST_ERROR.try_with(|l| {
+            if let Ok(mut l) = l.try_borrow_mut() {
                 *l = CString::default();
+                HAS_MESSAGE.with(|h| h.set(false));
             }
-        }
-    });
+        });
+    }
 }
 
 pub(super) fn set_needed(n: usize) {
@@ -237,6 +243,7 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Runs `body` with panics caught, records the message, returns the status.
+#[inline]
 pub(super) fn run<T>(name: &'static str, body: impl FnOnce() -> FResult<T>) -> FResult<T> {
     let r = match catch_unwind(AssertUnwindSafe(body)) {
         Ok(r) => r,
@@ -247,16 +254,23 @@ pub(super) fn run<T>(name: &'static str, body: impl FnOnce() -> FResult<T>) -> F
     };
     match &r {
         Ok(_) => clear_message(),
-        Err(f) => {
-            let msg = format!("{name}: {}", f.msg);
-            tracing::debug!(status = f.status.name(), "{msg}");
-            set_message(&msg);
-        }
+        Err(f) => record_failure(name, f),
     }
     r
 }
 
+/// The failure's message becomes the thread's last error (out of line: the
+/// fast path is a success).
+#[cold]
+#[inline(never)]
+fn record_failure(name: &str, f: &Fail) {
+    let msg = format!("{name}: {}", f.msg);
+    tracing::debug!(status = f.status.name(), "{msg}");
+    set_message(&msg);
+}
+
 /// [`run`] for functions returning a status.
+#[inline]
 pub(super) fn status(name: &'static str, body: impl FnOnce() -> FResult<()>) -> c_int {
     match run(name, body) {
         Ok(()) => GpupoolStatus::Ok as c_int,

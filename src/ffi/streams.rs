@@ -30,7 +30,7 @@ pub unsafe extern "C" fn gpupool_stream_create(device: c_int, out: *mut *mut c_v
             let pool = st.pool(device)?;
             let s = pool.new_stream()?;
             let h = s.handle().raw();
-            st.streams[pool.device()].write().insert(
+            st.write_streams(pool.device()).insert(
                 h,
                 Known {
                     stream: s,
@@ -63,7 +63,7 @@ pub extern "C" fn gpupool_stream_destroy(device: c_int, stream: *mut c_void) -> 
                     "the default stream (NULL) cannot be destroyed",
                 ));
             }
-            let mut m = st.streams[dev].write();
+            let mut m = st.write_streams(dev);
             match m.get(&h) {
                 Some(k) if k.created => Ok(m.remove(&h)),
                 Some(_) => Err(Fail::new(
@@ -73,7 +73,7 @@ pub extern "C" fn gpupool_stream_destroy(device: c_int, stream: *mut c_void) -> 
                 None => {
                     drop(m);
                     let other = (0..st.streams.len())
-                        .find(|&d| d != dev && st.streams[d].read().contains_key(&h));
+                        .find(|&d| d != dev && st.read_streams(d).contains_key(&h));
                     Err(Fail::new(
                         GpupoolStatus::InvalidHandle,
                         match other {
@@ -113,7 +113,7 @@ pub extern "C" fn gpupool_stream_release(device: c_int, stream: *mut c_void) -> 
                     "a default stream cannot be released",
                 ));
             }
-            let mut m = st.streams[pool.device()].write();
+            let mut m = st.write_streams(pool.device());
             match m.get(&h) {
                 Some(k) if k.created => Err(Fail::new(
                     GpupoolStatus::InvalidHandle,

@@ -115,6 +115,9 @@ static void on_oom(int device, size_t requested, void *user_data) {
     /* Statistics may be read from inside the callback. */
     char b[8192];
     if (gpupool_memory_stats_json(device, b, sizeof b) != GPUPOOL_STATUS_OK) oom_calls += 1000;
+    /* Shutting down or starting from inside a call is refused, not a deadlock. */
+    if (gpupool_shutdown() != GPUPOOL_STATUS_INVALID_ARGUMENT) oom_calls += 1000;
+    if (gpupool_init(NULL) != GPUPOOL_STATUS_INVALID_ARGUMENT) oom_calls += 1000;
 }
 
 static unsigned long long flat_now(int dev, const char *key) {
