@@ -213,7 +213,7 @@ impl PoolShared {
 
     /// Records a pooled event on `s`.
     pub(crate) fn record_event_on(&self, s: &super::StreamCore) -> Result<EventHandle> {
-        self.record_on(s)
+        Ok(self.record_on(s)?.0)
     }
 
     /// Records a pooled event on the compaction stream (a handle the arena

@@ -296,6 +296,7 @@ impl PoolShared {
                 // pending first) may release these granules.
                 Err(_) => Waits {
                     events: Vec::new(),
+                    marks: Vec::new(),
                     unrecorded: vec![stream.core().clone()],
                 },
             };
@@ -315,6 +316,7 @@ impl PoolShared {
                 id,
                 Waits {
                     events: Vec::new(),
+                    marks: Vec::new(),
                     unrecorded: vec![stream.core().clone()],
                 },
             );

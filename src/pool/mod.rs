@@ -23,6 +23,7 @@ mod addr_index;
 mod block;
 mod compact_hooks;
 mod counted_lock;
+mod event_order;
 mod exact;
 mod granule_set;
 mod heap;
@@ -70,6 +71,7 @@ use crate::backend::{Backend, DeviceInfo};
 use crate::config::PoolConfig;
 use crate::error::{Error, OomReport, Result};
 use crate::ptr::{DevicePtr, EventHandle, StreamHandle};
+use event_order::Mark;
 use heap::{Heap, Tag};
 use parking_lot::Mutex;
 use pending::{Pending, PendingList, Waits};
@@ -816,7 +818,7 @@ impl PoolShared {
         let mut w = Waits::default();
         for s in std::iter::once(own).chain(extra) {
             match self.record_on(s) {
-                Ok(ev) => w.events.push(ev),
+                Ok((ev, mark)) => w.push(ev, mark),
                 Err(e) => {
                     tracing::error!(device = self.dev, "recording a free's event failed: {e}");
                     w.unrecorded.push(s.clone());
@@ -830,7 +832,9 @@ impl PoolShared {
     /// stream of another thread cannot be named from this one: the event
     /// goes on the legacy default stream, which CUDA orders after the work
     /// of every blocking stream, per-thread default streams included.
-    pub(crate) fn record_on(&self, core: &StreamCore) -> Result<EventHandle> {
+    /// The event is numbered in the stream's order (see `event_order.rs`)
+    /// when it is recorded on the stream's own handle.
+    pub(crate) fn record_on(&self, core: &StreamCore) -> Result<(EventHandle, Option<Mark>)> {
         if core.is_dead() {
             return Err(Error::InvalidHandle(format!(
                 "stream {:?} was destroyed with its pool",
@@ -838,8 +842,13 @@ impl PoolShared {
             )));
         }
         match core.thread {
-            Some(t) if t != std::thread::current().id() => self.record_one(StreamHandle(0)),
-            _ => self.record_one(core.handle),
+            Some(t) if t != std::thread::current().id() => {
+                Ok((self.record_one(StreamHandle(0))?, None))
+            }
+            _ => {
+                let (ev, mark) = core.order.record(|| self.record_one(core.handle))?;
+                Ok((ev, Some(mark)))
+            }
         }
     }
 

@@ -348,7 +348,7 @@ impl PoolShared {
     fn wait_for_streams(&self, cores: &[Arc<StreamCore>]) -> Result<()> {
         for c in cores.iter().filter(|c| !c.is_dead()) {
             match self.record_on(c) {
-                Ok(ev) => {
+                Ok((ev, _)) => {
                     let r = self.host_sync_event(ev);
                     self.event_pool.lock().push(ev);
                     r?;

@@ -7,6 +7,7 @@
 //! record's events without blocking, releases the completed ones and pushes
 //! the rest back.
 
+use super::event_order::Mark;
 use super::sync::{AtomicPtr, AtomicUsize};
 use super::StreamCore;
 use crate::ptr::EventHandle;
@@ -51,10 +52,34 @@ pub(crate) enum Pending {
 pub(crate) struct Waits {
     /// Events recorded at the free, one per stream that used the memory.
     pub events: Vec<EventHandle>,
+    /// Each event's place in its stream's order (`marks[i]` is
+    /// `events[i]`'s; `None`: always queried). Pushed only with the event
+    /// ([`Waits::push`], [`Waits::absorb`]).
+    pub marks: Vec<Option<Mark>>,
     /// Streams whose event could not be recorded: only a host sync of the
     /// stream (in `trim`) can release the memory. Held, so that the handle
     /// stays valid until then.
     pub unrecorded: Vec<Arc<StreamCore>>,
+}
+
+impl Waits {
+    /// Adds a recorded event.
+    pub(crate) fn push(&mut self, ev: EventHandle, mark: Option<Mark>) {
+        self.events.push(ev);
+        self.marks.push(mark);
+    }
+
+    /// Adds everything `other` waits for.
+    pub(crate) fn absorb(&mut self, other: Waits) {
+        self.events.extend(other.events);
+        self.marks.extend(other.marks);
+        self.unrecorded.extend(other.unrecorded);
+    }
+
+    /// The mark of `events[i]`.
+    pub(crate) fn mark(&self, i: usize) -> Option<&Mark> {
+        self.marks.get(i).and_then(Option::as_ref)
+    }
 }
 
 struct Node<T> {

@@ -5,6 +5,7 @@
 //! the host; only `trim` (an explicit call) and pool teardown wait for
 //! events.
 
+use super::event_order::{Mark, Progress, Sweep};
 use super::heap::Tag;
 use super::pending::{Pending, Waits};
 use super::{HeapState, PoolShared, Stream, StreamCore};
@@ -14,18 +15,79 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 impl PoolShared {
-    /// Whether everything in `w` completed (never, while a stream is unrecorded).
-    pub(super) fn waits_done(&self, w: &Waits) -> bool {
-        w.unrecorded.is_empty()
-            && w.events
-                .iter()
-                .all(|&e| match self.backend.query_event(self.dev, e) {
-                    Ok(done) => done,
-                    Err(err) => {
-                        tracing::warn!(device = self.dev, "cuEventQuery failed: {err}");
-                        false
+    /// Whether everything in `w` completed (never, while a stream is
+    /// unrecorded). Queries only the events that its streams' order does
+    /// not already settle (see `event_order.rs`); `progress` carries what
+    /// this pass found pending.
+    pub(super) fn waits_done_in(&self, w: &Waits, progress: &mut Progress) -> bool {
+        if !w.unrecorded.is_empty() {
+            return false;
+        }
+        w.events.iter().enumerate().all(|(i, &e)| {
+            let mark = w.mark(i);
+            if mark.is_some_and(Mark::known_done) {
+                return true;
+            }
+            if mark.is_some_and(|m| progress.known_pending(m)) {
+                return false;
+            }
+            let done = match self.backend.query_event(self.dev, e) {
+                Ok(done) => done,
+                Err(err) => {
+                    tracing::warn!(device = self.dev, "cuEventQuery failed: {err}");
+                    false
+                }
+            };
+            if let Some(m) = mark {
+                if done {
+                    m.completed();
+                } else {
+                    progress.note_pending(m);
+                }
+            }
+            done
+        })
+    }
+
+    /// Settles the marked events of `records` stream by stream.
+    fn sweep(&self, records: &[Pending], progress: &mut Progress) {
+        let mut sweep = Sweep::default();
+        let mut note = |w: &Waits| {
+            for (i, &e) in w.events.iter().enumerate() {
+                if let Some(m) = w.mark(i) {
+                    sweep.note(e, m);
+                }
+            }
+        };
+        let mut groups = false;
+        for p in records {
+            match p {
+                Pending::Slots { waits, .. } | Pending::Orphans { waits, .. } => note(waits),
+                Pending::Group { .. } => groups = true,
+            }
+        }
+        if groups {
+            let h = self.heap.lock();
+            for p in records {
+                if let Pending::Group { id } = p {
+                    if let Some(w) = h.group_events.get(id) {
+                        note(w);
                     }
-                })
+                }
+            }
+        }
+        sweep.settle(progress, |e| match self.backend.query_event(self.dev, e) {
+            Ok(done) => done,
+            Err(err) => {
+                tracing::warn!(device = self.dev, "cuEventQuery failed: {err}");
+                false
+            }
+        });
+    }
+
+    /// [`PoolShared::waits_done_in`] on its own.
+    pub(super) fn waits_done(&self, w: &Waits) -> bool {
+        self.waits_done_in(w, &mut Progress::default())
     }
 
     pub(super) fn recycle_events(&self, w: Waits) {
@@ -50,11 +112,16 @@ impl PoolShared {
 
     /// Releases every pending record whose events completed, without blocking.
     pub(super) fn harvest(&self) -> usize {
-        let mut released = self.harvest_quarantine();
+        let mut progress = Progress::default();
+        let mut released = self.harvest_quarantine(&mut progress);
         if self.pending.is_empty() {
             return released;
         }
-        for p in self.pending.take_all() {
+        // A few queries per stream settle every marked event (see
+        // `event_order.rs`); what is left unmarked is queried below.
+        let records = self.pending.take_all();
+        self.sweep(&records, &mut progress);
+        for p in records {
             match p {
                 Pending::Slots {
                     class,
@@ -62,7 +129,7 @@ impl PoolShared {
                     waits,
                     bytes,
                 } => {
-                    if self.waits_done(&waits) {
+                    if self.waits_done_in(&waits, &mut progress) {
                         self.slabs.push_clean(class as usize, &slots);
                         self.counters.pending_slot_bytes.fetch_sub(bytes, Relaxed);
                         self.recycle_events(waits);
@@ -81,7 +148,7 @@ impl PoolShared {
                     waits,
                     bytes,
                 } => {
-                    if self.waits_done(&waits) {
+                    if self.waits_done_in(&waits, &mut progress) {
                         for (class, slots) in &parts {
                             self.slabs.push_clean(*class as usize, slots);
                         }
@@ -98,7 +165,10 @@ impl PoolShared {
                 }
                 Pending::Group { id } => {
                     let mut h = self.heap.lock();
-                    let done = h.group_events.get(&id).is_none_or(|w| self.waits_done(w));
+                    let done = h
+                        .group_events
+                        .get(&id)
+                        .is_none_or(|w| self.waits_done_in(w, &mut progress));
                     if done {
                         h.heap.complete_pending(id);
                         if let Some(w) = h.group_events.remove(&id) {
@@ -116,7 +186,7 @@ impl PoolShared {
     }
 
     /// Unmaps aliased granules whose old uses completed.
-    pub(super) fn harvest_quarantine(&self) -> usize {
+    pub(super) fn harvest_quarantine(&self, progress: &mut Progress) -> usize {
         let mut h = self.heap.lock();
         if h.quarantine.is_empty() {
             return 0;
@@ -124,7 +194,7 @@ impl PoolShared {
         let q = std::mem::take(&mut h.quarantine);
         let mut released = 0;
         for (w, gs) in q {
-            if self.waits_done(&w) {
+            if self.waits_done_in(&w, progress) {
                 h.heap.release_quarantine(&gs);
                 self.recycle_events(w);
                 released += 1;

@@ -35,6 +35,7 @@
 //! 4. After the pool's teardown no core calls the driver: teardown destroys
 //!    the streams it made and marks their cores dead.
 
+use super::event_order::EventOrder;
 use super::PoolShared;
 use crate::backend::Backend;
 use crate::ptr::StreamHandle;
@@ -60,6 +61,8 @@ pub(crate) struct StreamCore {
     /// Set once the handle must not be used any more (destroyed by the
     /// pool's teardown).
     dead: AtomicBool,
+    /// The numbering of the events the pool records on this stream.
+    pub(crate) order: Arc<EventOrder>,
 }
 
 impl StreamCore {
@@ -77,6 +80,7 @@ impl StreamCore {
             thread: (handle == StreamHandle::PER_THREAD).then(|| std::thread::current().id()),
             backend,
             dead: AtomicBool::new(false),
+            order: Arc::default(),
         }
     }
 

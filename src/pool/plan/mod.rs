@@ -481,8 +481,7 @@ impl PoolShared {
             if let Some(l) = arena.live.remove(&addr) {
                 arena.live_bytes -= l.len;
                 let w = self.record_events(stream.core(), extra);
-                arena.tomb.events.extend(w.events);
-                arena.tomb.unrecorded.extend(w.unrecorded);
+                arena.tomb.absorb(w);
             }
             if arena.live.is_empty() {
                 let arena = orphans.swap_remove(i);
@@ -658,8 +657,7 @@ impl PoolShared {
     fn free_orphan(&self, mut a: Arena) {
         let mut waits = std::mem::take(&mut a.tomb);
         for (_, _, w) in a.fenced.drain(..) {
-            waits.events.extend(w.events);
-            waits.unrecorded.extend(w.unrecorded);
+            waits.absorb(w);
         }
         self.plans.index.write().remove(&a.base);
         self.plans.arena_bytes.fetch_sub(a.len, Relaxed);
