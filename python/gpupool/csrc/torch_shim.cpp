@@ -1,0 +1,479 @@
+// gpupool as PyTorch's CUDA allocator, through PyTorch's C++
+// pluggable-allocator API (torch/csrc/cuda/CUDAPluggableAllocator.h).
+//
+// Built by gpupool.torch.install() on first use with the installed torch's
+// headers (so the allocator's vtable matches that torch exactly) and loaded
+// with ctypes: it is not a Python module and has a plain C entry point,
+// gpupool_torch_shim_install(). It links torch (libtorch_cuda, libc10_cuda,
+// libc10) and nothing of gpupool: it dlopens the libgpupool.so the Python
+// package loaded (same path, so the same loaded copy and the same runtime)
+// and resolves gpupool's C ABI with dlsym.
+//
+// What it wires (each through the C ABI, include/gpupool.h):
+//   malloc         gpupool_alloc (or gpupool_alloc_in_pool inside a private
+//                  pool); a failure throws: c10::OutOfMemoryError
+//                  (torch.OutOfMemoryError) for GPUPOOL_STATUS_OUT_OF_MEMORY
+//                  and _DEVICE_OUT_OF_MEMORY, c10::Error (RuntimeError)
+//                  otherwise, with gpupool_last_error()'s report;
+//   free           gpupool_free on the allocation's stream (PyTorch passes it);
+//   record_stream  gpupool_torch_record_stream (finds the owning device);
+//   empty_cache    gpupool_trim;
+//   memory fraction gpupool_set_memory_limit(device, fraction x the device's
+//                  total memory, from the driver's cuDeviceTotalMem);
+//   private pools  (torch.cuda.graph, torch.cuda.MemPool + use_mem_pool)
+//                  gpupool_begin_allocate_to_pool / _alloc_in_pool /
+//                  _end_allocate_to_pool / _release_pool, when the library
+//                  has them (resolved at install; without them everything
+//                  else works and creating a pool raises a clear error).
+//
+// Why a subclass of CUDAPluggableAllocator rather than the object
+// createCustomAllocator() returns: the plain pluggable allocator does not
+// override createOrIncrefPool / getPoolUseCount / setUseOnOOM, whose
+// CUDAAllocator defaults throw, so torch.cuda.MemPool() could not even be
+// constructed (and ~MemPool calls setUseOnOOM). The subclass overrides those
+// and getMemoryFraction; everything else is the base class, configured with
+// its own setters (set_record_stream_fn, set_memory_fraction_fn,
+// set_reset_fn, set_begin_allocate_to_pool, set_end_allocate_to_pool_fn,
+// set_release_pool), exactly as createCustomAllocator's object would be.
+//
+// Private pools. PyTorch names a pool with MempoolId_t, a pair of u64: graph
+// pools are {n, 0}, user pools (torch.cuda.MemPool, graph_pool_handle())
+// {0, n}. The shim maps it to one nonzero u64 (pool_key below). PyTorch's
+// beginAllocateToPool gives a filter over streams, not a stream; the shim
+// keeps the active pools with their filters and, in malloc, asks them in
+// order of activation: the first that accepts the allocating stream gets
+// the allocation, through gpupool_alloc_in_pool. The first time a pool
+// accepts a given stream the shim also calls
+// gpupool_begin_allocate_to_pool(device, pool, stream), and at
+// endAllocateToPool gpupool_end_allocate_to_pool(device, pool) once. Pool
+// lifetimes are counted as PyTorch's own allocator counts them
+// (createOrIncrefPool and beginAllocateToPool add one, releasePool takes
+// one); at zero the shim calls gpupool_release_pool(device, pool).
+// Frees of pool blocks go through gpupool_free like any other.
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// ---- gpupool's C ABI, resolved at install ------------------------------------
+
+constexpr int kOk = 0;
+constexpr int kOutOfMemory = 14;        // GPUPOOL_STATUS_OUT_OF_MEMORY
+constexpr int kDeviceOutOfMemory = 15;  // GPUPOOL_STATUS_DEVICE_OUT_OF_MEMORY
+
+struct Gpupool {
+  int (*alloc)(size_t, int, void*, void**) = nullptr;
+  int (*free)(void*, int, void*) = nullptr;
+  void (*torch_record_stream)(void*, void*) = nullptr;
+  int (*trim)() = nullptr;
+  int (*set_memory_limit)(int, uint64_t) = nullptr;
+  const char* (*last_error)() = nullptr;
+  const char* (*status_name)(int) = nullptr;
+  // Private pools: optional (a library without them serves everything else).
+  int (*begin_allocate_to_pool)(int, uint64_t, void*) = nullptr;
+  int (*end_allocate_to_pool)(int, uint64_t) = nullptr;
+  int (*release_pool)(int, uint64_t) = nullptr;
+  int (*alloc_in_pool)(size_t, int, void*, uint64_t, void**) = nullptr;
+  bool pools() const {
+    return begin_allocate_to_pool && end_allocate_to_pool && release_pool &&
+        alloc_in_pool;
+  }
+};
+
+Gpupool g;
+std::string g_missing_pools;  // the pool symbols the library lacks
+
+std::string last_error() {
+  const char* m = g.last_error ? g.last_error() : nullptr;
+  return m ? std::string(m) : std::string();
+}
+
+std::string status_name(int st) {
+  const char* n = g.status_name ? g.status_name(st) : nullptr;
+  return n ? std::string(n) : ("status " + std::to_string(st));
+}
+
+// Throws PyTorch's exception for a failed gpupool call.
+[[noreturn]] void throw_status(int st, const char* what) {
+  std::string msg = last_error();
+  if (st == kOutOfMemory || st == kDeviceOutOfMemory) {
+    TORCH_CHECK_WITH(
+        OutOfMemoryError,
+        false,
+        "gpupool: CUDA out of memory (",
+        what,
+        "): ",
+        msg,
+        " [",
+        status_name(st),
+        "]");
+  }
+  TORCH_CHECK(false, "gpupool: ", what, " failed: ", msg, " [", status_name(st), "]");
+  __builtin_unreachable();
+}
+
+// ---- the device's total memory (memory fraction) -------------------------------
+
+// The driver's cuDeviceTotalMem_v2, from the libcuda PyTorch loaded: no
+// build-time CUDA dependency and no context needed.
+uint64_t device_total_bytes(int device) {
+  using DeviceGet = int (*)(int*, int);
+  using TotalMem = int (*)(size_t*, int);
+  static DeviceGet device_get = nullptr;
+  static TotalMem total_mem = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (!h) h = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!h) return;
+    device_get = reinterpret_cast<DeviceGet>(dlsym(h, "cuDeviceGet"));
+    total_mem = reinterpret_cast<TotalMem>(dlsym(h, "cuDeviceTotalMem_v2"));
+  });
+  TORCH_CHECK(device_get && total_mem, "gpupool: libcuda.so.1 (cuDeviceTotalMem_v2) not found");
+  int dev = 0;
+  size_t bytes = 0;
+  TORCH_CHECK(device_get(&dev, device) == 0, "gpupool: cuDeviceGet(", device, ") failed");
+  TORCH_CHECK(total_mem(&bytes, dev) == 0, "gpupool: cuDeviceTotalMem(", device, ") failed");
+  return bytes;
+}
+
+// ---- private pools ----------------------------------------------------------------
+
+using PoolId = c10::cuda::MempoolId_t;
+
+// PyTorch's {first, second} as one nonzero u64: graph pools {n, 0} -> 2n,
+// user pools {0, n} -> 2n + 1; anything else (both nonzero) mixed, odd bit
+// forced so it is never 0.
+uint64_t pool_key(PoolId id) {
+  uint64_t a = id.first, b = id.second;
+  if (a != 0 && b == 0) return a << 1;
+  if (a == 0 && b != 0) return (b << 1) | 1;
+  uint64_t h = a * 0x9E3779B97F4A7C15ULL ^ (b + 0x7F4A7C159E3779B9ULL + (a << 6) + (a >> 2));
+  return h | 1;
+}
+
+struct Active {
+  int device;
+  uint64_t pool;
+  std::function<bool(cudaStream_t)> filter;
+  std::vector<cudaStream_t> begun;  // streams gpupool was told about
+};
+
+std::mutex g_pools_mu;
+std::vector<Active> g_active;                   // under g_pools_mu
+std::map<std::pair<int, uint64_t>, int> g_uses;  // under g_pools_mu
+std::atomic<int> g_n_active{0};
+
+void require_pools(const char* what) {
+  TORCH_CHECK(
+      g.pools(),
+      "gpupool: ",
+      what,
+      ": private memory pools (torch.cuda.graph, torch.cuda.MemPool) are "
+      "unavailable: the loaded libgpupool.so lacks ",
+      g_missing_pools);
+}
+
+void incref(int device, uint64_t pool) {
+  g_uses[{device, pool}] += 1;
+}
+
+// Under g_pools_mu. Never throws (called from destructors).
+void decref(int device, uint64_t pool) {
+  auto it = g_uses.find({device, pool});
+  if (it == g_uses.end()) return;
+  if (--it->second > 0) return;
+  g_uses.erase(it);
+  if (g.release_pool) {
+    int st = g.release_pool(device, pool);
+    if (st != kOk) {
+      std::fprintf(
+          stderr,
+          "gpupool: gpupool_release_pool(%d, %llu) failed: %s\n",
+          device,
+          static_cast<unsigned long long>(pool),
+          last_error().c_str());
+    }
+  }
+}
+
+// The pool an allocation on (device, stream) goes to, or 0.
+uint64_t route(int device, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(g_pools_mu);
+  for (auto& a : g_active) {
+    if (a.device != device || !a.filter(stream)) continue;
+    bool known = false;
+    for (auto s : a.begun) known = known || s == stream;
+    if (!known) {
+      int st = g.begin_allocate_to_pool(device, a.pool, stream);
+      if (st != kOk) throw_status(st, "gpupool_begin_allocate_to_pool");
+      a.begun.push_back(stream);
+    }
+    return a.pool;
+  }
+  return 0;
+}
+
+// ---- the hooks --------------------------------------------------------------------
+
+void* shim_malloc(size_t size, int device, cudaStream_t stream) {
+  if (size == 0) return nullptr;  // PyTorch never frees it
+  void* out = nullptr;
+  uint64_t pool = g_n_active.load(std::memory_order_acquire) > 0 ? route(device, stream) : 0;
+  int st = pool ? g.alloc_in_pool(size, device, stream, pool, &out)
+                : g.alloc(size, device, stream, &out);
+  if (st != kOk) {
+    std::string what = "allocating " + std::to_string(size) + " bytes on device " +
+        std::to_string(device);
+    throw_status(st, what.c_str());
+  }
+  return out;
+}
+
+void shim_free(void* ptr, size_t /*size*/, int device, cudaStream_t stream) {
+  if (!ptr) return;
+  int st = g.free(ptr, device, stream);
+  if (st != kOk) {
+    // Frees run in destructors: report, never throw.
+    std::fprintf(stderr, "gpupool: free of %p on device %d failed: %s\n", ptr, device,
+                 last_error().c_str());
+  }
+}
+
+void shim_record_stream(void* ptr, cudaStream_t stream) {
+  g.torch_record_stream(ptr, stream);
+  std::string msg = last_error();
+  TORCH_CHECK(msg.empty(), "gpupool: record_stream failed: ", msg);
+}
+
+std::mutex g_fraction_mu;
+std::map<int, double> g_fraction;  // under g_fraction_mu
+
+void shim_memory_fraction(double fraction, int device) {
+  TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0, "gpupool: memory fraction ", fraction,
+              " is outside [0, 1]");
+  uint64_t total = device_total_bytes(device);
+  uint64_t limit = static_cast<uint64_t>(fraction * static_cast<double>(total));
+  if (fraction > 0.0 && limit == 0) limit = 1;  // 0 would mean "no limit"
+  if (fraction >= 1.0) limit = 0;               // the device itself is the limit
+  int st = g.set_memory_limit(device, limit);
+  if (st != kOk) throw_status(st, "gpupool_set_memory_limit");
+  std::lock_guard<std::mutex> lock(g_fraction_mu);
+  g_fraction[device] = fraction;
+}
+
+void shim_empty_cache() {
+  int st = g.trim();
+  if (st != kOk) {
+    // ~MemPool calls emptyCache: warn, never throw.
+    TORCH_WARN("gpupool: empty_cache (gpupool_trim) failed: ", last_error());
+  }
+}
+
+void shim_begin_allocate_to_pool(int device, PoolId id, std::function<bool(cudaStream_t)> filter) {
+  require_pools("beginAllocateToPool");
+  uint64_t pool = pool_key(id);
+  std::lock_guard<std::mutex> lock(g_pools_mu);
+  for (auto& a : g_active) {
+    TORCH_CHECK(!(a.device == device && a.pool == pool),
+                "gpupool: beginAllocateToPool: already allocating to this pool");
+  }
+  incref(device, pool);
+  g_active.push_back(Active{device, pool, std::move(filter), {}});
+  g_n_active.fetch_add(1, std::memory_order_release);
+}
+
+void shim_end_allocate_to_pool(int device, PoolId id) {
+  if (!g.pools()) return;
+  uint64_t pool = pool_key(id);
+  bool begun = false;
+  {
+    std::lock_guard<std::mutex> lock(g_pools_mu);
+    for (auto it = g_active.begin(); it != g_active.end(); ++it) {
+      if (it->device == device && it->pool == pool) {
+        begun = !it->begun.empty();
+        g_active.erase(it);
+        g_n_active.fetch_sub(1, std::memory_order_release);
+        break;
+      }
+    }
+  }
+  if (begun) {
+    int st = g.end_allocate_to_pool(device, pool);
+    if (st != kOk) throw_status(st, "gpupool_end_allocate_to_pool");
+  }
+}
+
+void shim_release_pool(int device, PoolId id) {
+  std::lock_guard<std::mutex> lock(g_pools_mu);
+  decref(device, pool_key(id));
+}
+
+struct GpupoolAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
+  using Base = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+  GpupoolAllocator() : Base(shim_malloc, shim_free) {}
+
+  // torch.cuda.MemPool(): the pool exists once named; gpupool makes it
+  // when allocations are first routed to it.
+  void createOrIncrefPool(
+      c10::DeviceIndex device,
+      c10::cuda::MempoolId_t mempool_id,
+      std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator) override {
+    require_pools("torch.cuda.MemPool");
+    TORCH_CHECK(!allocator || allocator.get() == this,
+                "gpupool: a torch.cuda.MemPool with its own allocator is not supported "
+                "while gpupool is PyTorch's allocator");
+    std::lock_guard<std::mutex> lock(g_pools_mu);
+    incref(device, pool_key(mempool_id));
+  }
+
+  int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override {
+    std::lock_guard<std::mutex> lock(g_pools_mu);
+    auto it = g_uses.find({static_cast<int>(device), pool_key(mempool_id)});
+    return it == g_uses.end() ? 0 : it->second;
+  }
+
+  void setUseOnOOM(c10::DeviceIndex, c10::cuda::MempoolId_t, bool use_on_oom) override {
+    // ~MemPool calls this with false: must not throw.
+    TORCH_CHECK(!use_on_oom, "gpupool: MemPool(use_on_oom=True) is not supported");
+  }
+
+  void setNoSplit(c10::DeviceIndex, c10::cuda::MempoolId_t) override {
+    // gpupool never splits a block across two tensors' lifetimes in a way
+    // the caller can observe; nothing to do.
+  }
+
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    std::lock_guard<std::mutex> lock(g_fraction_mu);
+    auto it = g_fraction.find(device);
+    return it == g_fraction.end() ? 1.0 : it->second;
+  }
+
+  std::string name() override {
+    return "gpupool";
+  }
+};
+
+std::shared_ptr<GpupoolAllocator> g_allocator;
+std::mutex g_install_mu;
+
+template <typename F>
+bool resolve(void* h, const char* name, F& out) {
+  out = reinterpret_cast<F>(dlsym(h, name));
+  return out != nullptr;
+}
+
+void set_error(char* err, size_t len, const std::string& msg) {
+  if (err && len) {
+    std::snprintf(err, len, "%s", msg.c_str());
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 when the loaded library has the private-pool functions (after install).
+__attribute__((visibility("default"))) int gpupool_torch_shim_has_pools() {
+  return g.pools() ? 1 : 0;
+}
+
+// The pool symbols the library lacks, "" when it has them all.
+__attribute__((visibility("default"))) const char* gpupool_torch_shim_missing_pools() {
+  return g_missing_pools.c_str();
+}
+
+// PyTorch's MempoolId_t as the u64 gpupool sees (for tests and logs).
+__attribute__((visibility("default"))) uint64_t gpupool_torch_shim_pool_key(uint64_t first,
+                                                                            uint64_t second) {
+  return pool_key(PoolId{first, second});
+}
+
+// Opens `libpath` (the libgpupool.so the package loaded), resolves its C
+// ABI, and makes the gpupool allocator PyTorch's current CUDA allocator.
+// Returns 0, or -1 with a message in err. A second call is a no-op.
+__attribute__((visibility("default"))) int gpupool_torch_shim_install(const char* libpath,
+                                                                      char* err,
+                                                                      size_t errlen) {
+  try {
+    std::lock_guard<std::mutex> lock(g_install_mu);
+    if (g_allocator) return 0;
+    void* h = dlopen(libpath, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+      set_error(err, errlen, std::string("dlopen failed: ") + dlerror());
+      return -1;
+    }
+    Gpupool f;
+    std::string missing;
+    auto need = [&](bool ok, const char* name) {
+      if (!ok) missing += std::string(missing.empty() ? "" : ", ") + name;
+    };
+    need(resolve(h, "gpupool_alloc", f.alloc), "gpupool_alloc");
+    need(resolve(h, "gpupool_free", f.free), "gpupool_free");
+    need(resolve(h, "gpupool_torch_record_stream", f.torch_record_stream),
+         "gpupool_torch_record_stream");
+    need(resolve(h, "gpupool_trim", f.trim), "gpupool_trim");
+    need(resolve(h, "gpupool_set_memory_limit", f.set_memory_limit), "gpupool_set_memory_limit");
+    need(resolve(h, "gpupool_last_error", f.last_error), "gpupool_last_error");
+    need(resolve(h, "gpupool_status_name", f.status_name), "gpupool_status_name");
+    if (!missing.empty()) {
+      set_error(err, errlen, std::string(libpath) + " lacks " + missing);
+      return -1;
+    }
+    std::string pools_missing;
+    auto opt = [&](bool ok, const char* name) {
+      if (!ok) pools_missing += std::string(pools_missing.empty() ? "" : ", ") + name;
+    };
+    opt(resolve(h, "gpupool_begin_allocate_to_pool", f.begin_allocate_to_pool),
+        "gpupool_begin_allocate_to_pool");
+    opt(resolve(h, "gpupool_end_allocate_to_pool", f.end_allocate_to_pool),
+        "gpupool_end_allocate_to_pool");
+    opt(resolve(h, "gpupool_release_pool", f.release_pool), "gpupool_release_pool");
+    opt(resolve(h, "gpupool_alloc_in_pool", f.alloc_in_pool), "gpupool_alloc_in_pool");
+    if (!pools_missing.empty()) {
+      f.begin_allocate_to_pool = nullptr;
+      f.end_allocate_to_pool = nullptr;
+      f.release_pool = nullptr;
+      f.alloc_in_pool = nullptr;
+    }
+    g = f;
+    g_missing_pools = pools_missing;
+
+    auto a = std::make_shared<GpupoolAllocator>();
+    a->set_record_stream_fn(shim_record_stream);
+    a->set_memory_fraction_fn(shim_memory_fraction);
+    a->set_reset_fn(shim_empty_cache);
+    a->set_begin_allocate_to_pool(shim_begin_allocate_to_pool);
+    a->set_end_allocate_to_pool_fn(shim_end_allocate_to_pool);
+    a->set_release_pool(shim_release_pool);
+    // What createCustomAllocator does after construction (marks it
+    // initialized; no init_fn is set).
+    a->init(0);
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
+    g_allocator = a;
+    return 0;
+  } catch (const std::exception& e) {
+    set_error(err, errlen, e.what());
+    return -1;
+  } catch (...) {
+    set_error(err, errlen, "unknown C++ exception");
+    return -1;
+  }
+}
+
+}  // extern "C"
