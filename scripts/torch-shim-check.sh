@@ -13,13 +13,13 @@
 #     it is the smallest Linux wheel built with CUDA, and headers and C++
 #     symbol names do not depend on the architecture. Only the headers and
 #     the names the three libraries export are kept (about 60 MB).
-#   - CUDA's runtime headers: nvidia-cuda-runtime-cu12 (cuda_runtime_api.h)
-#     and nvidia-cuda-nvcc-cu12 (crt/host_config.h, which cuda_runtime.h
-#     includes); only their include/ folders are unpacked.
+#   - CUDA's runtime headers of the CUDA version that wheel was built for
+#     (13.0 for torch 2.11 on PyPI), by scripts/fetch-cuda-headers.sh.
 #
 # With USE_INSTALLED_TORCH=1 and a torch importable by $PYTHON (the GPU
 # machine), it instead builds the shim exactly as gpupool.torch.install()
-# does (gpupool.torch.build_shim, linked) into a temporary cache.
+# does (gpupool.torch.build_shim, linked) into $GPUPOOL_TORCH_SHIM_DIR or a
+# temporary cache.
 #
 # Prints each phase's seconds and "torch shim check: PASS" or fails.
 set -euo pipefail
@@ -32,17 +32,19 @@ phase() { echo "[$((SECONDS - t0)) s] $*"; }
 
 if [ "${USE_INSTALLED_TORCH:-0}" = 1 ]; then
     phase "building with the installed torch (gpupool.torch.build_shim)"
-    tmp=$(mktemp -d)
-    GPUPOOL_TORCH_SHIM_DIR="$tmp" PYTHONPATH="$repo/python${PYTHONPATH:+:$PYTHONPATH}" \
+    # Into $GPUPOOL_TORCH_SHIM_DIR when set (kept: later processes reuse it),
+    # else a temporary folder.
+    dir=${GPUPOOL_TORCH_SHIM_DIR:-}
+    [ -n "$dir" ] || { tmp=$(mktemp -d); dir=$tmp; }
+    GPUPOOL_TORCH_SHIM_DIR="$dir" PYTHONPATH="$repo/python${PYTHONPATH:+:$PYTHONPATH}" \
         "$py" -c 'import gpupool.torch as gt; print(gt.build_shim(verbose=True))'
-    rm -rf "$tmp"
+    [ -z "${tmp:-}" ] || rm -rf "$tmp"
     phase "torch shim check: PASS (installed torch, linked)"
     exit 0
 fi
 
 mkdir -p "$cache"
 torch_dir="$cache/torch-$ver"
-cuda_dir="$cache/cuda-headers-12"
 if [ ! -f "$torch_dir/.done" ]; then
     phase "downloading torch==$ver (no dependencies)"
     rm -rf "$torch_dir" "$cache/wheels"
@@ -67,20 +69,13 @@ PY
     rm -rf "$torch_dir/torch/lib"
     touch "$torch_dir/.done"
 fi
+cuda_ver=$(sed -n "s/^cuda: Optional\[str\] = '\(.*\)'/\1/p" "$torch_dir/torch/version.py")
+cuda_ver=${cuda_ver:-12.8}
+cuda_dir="$cache/cuda-headers-$cuda_ver"
 if [ ! -f "$cuda_dir/.done" ]; then
-    phase "downloading CUDA 12 runtime headers (nvidia-cuda-runtime-cu12, nvidia-cuda-nvcc-cu12)"
-    rm -rf "$cuda_dir" "$cache/cuda-wheels"
-    "$py" -m pip download --quiet --no-deps --only-binary=:all: \
-        -d "$cache/cuda-wheels" "nvidia-cuda-runtime-cu12==12.*" "nvidia-cuda-nvcc-cu12==12.*"
-    "$py" - "$cache/cuda-wheels" "$cuda_dir" <<'PY'
-import glob, sys, zipfile
-for whl in glob.glob(sys.argv[1] + "/*.whl"):
-    with zipfile.ZipFile(whl) as z:
-        for n in z.namelist():
-            if "/include/" in n:
-                z.extract(n, sys.argv[2])
-PY
-    rm -rf "$cache/cuda-wheels"
+    phase "downloading CUDA $cuda_ver's runtime headers (scripts/fetch-cuda-headers.sh)"
+    rm -rf "$cuda_dir"
+    PYTHON="$py" bash "$repo/scripts/fetch-cuda-headers.sh" "$cuda_ver" "$cuda_dir"
     touch "$cuda_dir/.done"
 fi
 grep -h "__version__ =\|^cuda" "$torch_dir/torch/version.py" | tr '\n' ' '; echo

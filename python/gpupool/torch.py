@@ -153,12 +153,13 @@ def _require_cuda_runtime() -> None:
 
 
 def _cuda_include_dirs(torch_mod=None) -> List[str]:
-    """Directories holding ``cuda_runtime_api.h`` (and ``crt/host_config.h``,
-    which ``cuda_runtime.h`` needs): ``$CUDA_HOME``/``$CUDA_PATH``, PyTorch's
+    """Directories holding ``cuda_runtime_api.h`` (and ``crt/host_defines.h``,
+    which ``cuda_runtime.h`` needs): ``$GPUPOOL_CUDA_INCLUDE`` (a colon
+    list), ``$CUDA_HOME``/``$CUDA_PATH``, PyTorch's
     idea of CUDA_HOME, /usr/local/cuda, and the nvidia-* wheels in
     site-packages (``nvidia/cuda_runtime/include``, ``nvidia/cuda_nvcc/include``,
     ``nvidia/cu13/include``)."""
-    roots: List[str] = []
+    roots: List[str] = [d for d in os.environ.get("GPUPOOL_CUDA_INCLUDE", "").split(":") if d]
     for env in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(env):
             roots.append(os.path.join(os.environ[env], "include"))
@@ -190,10 +191,34 @@ def _cuda_include_dirs(torch_mod=None) -> List[str]:
         if r in found or not os.path.isdir(r):
             continue
         if os.path.exists(os.path.join(r, "cuda_runtime_api.h")) or os.path.exists(
-            os.path.join(r, "crt", "host_config.h")
+            os.path.join(r, "crt", "host_defines.h")
         ):
             found.append(r)
     return found
+
+
+def _require_cuda_headers(cuda_incs: Sequence[str], cuda_version: Optional[str]) -> None:
+    """Raises, saying what to install, unless ``cuda_runtime_api.h`` and
+    ``crt/host_defines.h`` are both among ``cuda_incs``."""
+    missing = [
+        h
+        for h in ("cuda_runtime_api.h", os.path.join("crt", "host_defines.h"))
+        if not any(os.path.exists(os.path.join(d, h)) for d in cuda_incs)
+    ]
+    if not missing:
+        return
+    major = (cuda_version or "12").split(".")[0]
+    if major == "12":
+        pip = "pip install 'nvidia-cuda-runtime-cu12==12.*' 'nvidia-cuda-nvcc-cu12==12.*'"
+    else:
+        mm = cuda_version or f"{major}.0"
+        pip = f"pip install 'nvidia-cuda-runtime=={mm}.*' 'nvidia-cuda-crt=={mm}.*'"
+    raise RuntimeError(
+        f"gpupool.torch: building the shim needs CUDA's runtime headers; not found: "
+        f"{', '.join(missing)} (looked in: {', '.join(cuda_incs) or 'nowhere'}). Set CUDA_HOME "
+        f"or GPUPOOL_CUDA_INCLUDE, or `{pip}` (headers only; "
+        "scripts/fetch-cuda-headers.sh does the same offline-ready), or use install(shim=False)"
+    )
 
 
 def shim_compile_args(
@@ -263,13 +288,7 @@ def build_shim(verbose: bool = False) -> str:
     out = out_dir / f"libgpupool_torch_shim-{key}.so"
     if out.exists():
         return str(out)
-    if not any(os.path.exists(os.path.join(d, "cuda_runtime_api.h")) for d in cuda_incs):
-        raise RuntimeError(
-            "gpupool.torch: building the shim needs CUDA's runtime headers "
-            "(cuda_runtime_api.h): set CUDA_HOME, or `pip install nvidia-cuda-runtime-cu12 "
-            "nvidia-cuda-nvcc-cu12` (CUDA 12; nvidia-cuda-runtime nvidia-cuda-crt for 13); "
-            "or use install(shim=False)"
-        )
+    _require_cuda_headers(cuda_incs, getattr(getattr(torch, "version", None), "cuda", None))
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=str(out_dir))
     os.close(fd)

@@ -275,6 +275,13 @@ def test_torch_shim_build_is_cached_and_keyed_by_source(tmp_path, monkeypatch):
     (cuda / "include").mkdir(parents=True)
     (cuda / "include" / "cuda_runtime_api.h").write_text("/* stand-in */\n")
     monkeypatch.setenv("CUDA_HOME", str(cuda))
+    monkeypatch.setenv("GPUPOOL_TORCH_SHIM_DIR", str(tmp_path / "cache"))
+    # Without crt/host_defines.h (cuda_runtime.h needs it): a clear error.
+    with pytest.raises(RuntimeError, match="crt/host_defines.h.*nvidia-cuda-nvcc-cu12"):
+        gt.build_shim()
+    (cuda / "include" / "crt").mkdir()
+    (cuda / "include" / "crt" / "host_defines.h").write_text("/* stand-in */\n")
+    monkeypatch.setenv("CUDA_HOME", str(cuda))
     log = tmp_path / "cxx.log"
     cxx = tmp_path / "fakecxx"
     cxx.write_text(
@@ -307,6 +314,15 @@ def test_torch_shim_build_is_cached_and_keyed_by_source(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         gt.build_shim()
     assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_torch_shim_cuda_header_hint_names_the_wheels():
+    import gpupool.torch as gt
+
+    with pytest.raises(RuntimeError, match="nvidia-cuda-crt==13.0"):
+        gt._require_cuda_headers([], "13.0")
+    with pytest.raises(RuntimeError, match="nvidia-cuda-nvcc-cu12"):
+        gt._require_cuda_headers([], None)
 
 
 def test_torch_shim_cache_dir(monkeypatch, tmp_path):

@@ -12,9 +12,11 @@
 // What it wires (each through the C ABI, include/gpupool.h):
 //   malloc         gpupool_alloc (or gpupool_alloc_in_pool inside a private
 //                  pool); a failure throws: c10::OutOfMemoryError
-//                  (torch.OutOfMemoryError) for GPUPOOL_STATUS_OUT_OF_MEMORY
-//                  and _DEVICE_OUT_OF_MEMORY, c10::Error (RuntimeError)
-//                  otherwise, with gpupool_last_error()'s report;
+//                  (torch.OutOfMemoryError) for GPUPOOL_STATUS_OUT_OF_MEMORY,
+//                  _DEVICE_OUT_OF_MEMORY and _INVALID_SIZE (malloc never
+//                  passes 0, so: larger than the device, which PyTorch's own
+//                  allocator also reports as out of memory), c10::Error
+//                  (RuntimeError) otherwise, with gpupool_last_error()'s report;
 //   free           gpupool_free on the allocation's stream (PyTorch passes it);
 //   record_stream  gpupool_torch_record_stream (finds the owning device);
 //   empty_cache    gpupool_trim;
@@ -73,6 +75,7 @@ namespace {
 // ---- gpupool's C ABI, resolved at install ------------------------------------
 
 constexpr int kOk = 0;
+constexpr int kInvalidSize = 7;         // GPUPOOL_STATUS_INVALID_SIZE: larger than the device
 constexpr int kOutOfMemory = 14;        // GPUPOOL_STATUS_OUT_OF_MEMORY
 constexpr int kDeviceOutOfMemory = 15;  // GPUPOOL_STATUS_DEVICE_OUT_OF_MEMORY
 
@@ -111,7 +114,7 @@ std::string status_name(int st) {
 // Throws PyTorch's exception for a failed gpupool call.
 [[noreturn]] void throw_status(int st, const char* what) {
   std::string msg = last_error();
-  if (st == kOutOfMemory || st == kDeviceOutOfMemory) {
+  if (st == kOutOfMemory || st == kDeviceOutOfMemory || st == kInvalidSize) {
     TORCH_CHECK_WITH(
         OutOfMemoryError,
         false,
