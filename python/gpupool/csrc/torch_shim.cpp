@@ -20,6 +20,11 @@
 //   free           gpupool_free on the allocation's stream (PyTorch passes it);
 //   record_stream  gpupool_torch_record_stream (finds the owning device);
 //   empty_cache    gpupool_trim;
+//   statistics     torch.cuda.memory_stats() and the helpers built on it
+//                  (memory_allocated, max_memory_allocated, memory_reserved,
+//                  ...) from gpupool_memory_stats_json (PyTorch's keys, the
+//                  "all" entries; no small/large pool split),
+//                  reset_peak_memory_stats from gpupool_reset_peak_stats;
 //   memory fraction gpupool_set_memory_limit(device, fraction x the device's
 //                  total memory, from the driver's cuDeviceTotalMem);
 //   private pools  (torch.cuda.graph, torch.cuda.MemPool + use_mem_pool)
@@ -62,6 +67,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -75,6 +81,8 @@ namespace {
 // ---- gpupool's C ABI, resolved at install ------------------------------------
 
 constexpr int kOk = 0;
+constexpr int kNotInitialized = 1;      // GPUPOOL_STATUS_NOT_INITIALIZED
+constexpr int kShutdown = 3;            // GPUPOOL_STATUS_SHUTDOWN
 constexpr int kInvalidSize = 7;         // GPUPOOL_STATUS_INVALID_SIZE: larger than the device
 constexpr int kOutOfMemory = 14;        // GPUPOOL_STATUS_OUT_OF_MEMORY
 constexpr int kDeviceOutOfMemory = 15;  // GPUPOOL_STATUS_DEVICE_OUT_OF_MEMORY
@@ -85,6 +93,9 @@ struct Gpupool {
   void (*torch_record_stream)(void*, void*) = nullptr;
   int (*trim)() = nullptr;
   int (*set_memory_limit)(int, uint64_t) = nullptr;
+  int (*memory_stats_json)(int, char*, size_t) = nullptr;
+  size_t (*needed_len)() = nullptr;
+  int (*reset_peak_stats)(int) = nullptr;
   const char* (*last_error)() = nullptr;
   const char* (*status_name)(int) = nullptr;
   // Private pools: optional (a library without them serves everything else).
@@ -153,6 +164,59 @@ uint64_t device_total_bytes(int device) {
   TORCH_CHECK(device_get(&dev, device) == 0, "gpupool: cuDeviceGet(", device, ") failed");
   TORCH_CHECK(total_mem(&bytes, dev) == 0, "gpupool: cuDeviceTotalMem(", device, ") failed");
   return bytes;
+}
+
+// ---- statistics (torch.cuda.memory_stats and its helpers) -------------------------
+
+constexpr int kBufferTooSmall = 5;  // GPUPOOL_STATUS_BUFFER_TOO_SMALL
+
+// gpupool_memory_stats_json's flat {"key":N,...} (PyTorch's keys), as text.
+std::string memory_stats_text(int device) {
+  std::vector<char> buf(16384);
+  for (int tries = 0; tries < 8; ++tries) {
+    int st = g.memory_stats_json(device, buf.data(), buf.size());
+    if (st == kOk) return std::string(buf.data());
+    if (st != kBufferTooSmall) throw_status(st, "gpupool_memory_stats_json");
+    buf.resize(g.needed_len() + 4096);
+  }
+  TORCH_CHECK(false, "gpupool: gpupool_memory_stats_json kept growing");
+  __builtin_unreachable();
+}
+
+// The integer after "key": in that text, 0 when absent.
+int64_t stat_value(const std::string& text, const std::string& key) {
+  std::string needle = "\"" + key + "\":";
+  size_t at = text.find(needle);
+  if (at == std::string::npos) return 0;
+  return std::strtoll(text.c_str() + at + needle.size(), nullptr, 10);
+}
+
+void fill_stat(c10::CachingAllocator::Stat& stat, const std::string& text, const std::string& name) {
+  stat.current = stat_value(text, name + ".all.current");
+  stat.peak = stat_value(text, name + ".all.peak");
+  stat.allocated = stat_value(text, name + ".all.allocated");
+  stat.freed = stat_value(text, name + ".all.freed");
+}
+
+// gpupool's figures in PyTorch's DeviceStats: the aggregate ("all") entry
+// of each StatArray (gpupool keeps no small/large pool split), the counters
+// PyTorch and gpupool share; the rest stays 0.
+c10::CachingDeviceAllocator::DeviceStats device_stats(int device) {
+  std::string text = memory_stats_text(device);
+  c10::CachingDeviceAllocator::DeviceStats out;
+  constexpr size_t kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  fill_stat(out.allocation[kAll], text, "allocation");
+  fill_stat(out.active[kAll], text, "active");
+  fill_stat(out.allocated_bytes[kAll], text, "allocated_bytes");
+  fill_stat(out.reserved_bytes[kAll], text, "reserved_bytes");
+  fill_stat(out.active_bytes[kAll], text, "active_bytes");
+  fill_stat(out.inactive_split_bytes[kAll], text, "inactive_split_bytes");
+  fill_stat(out.requested_bytes[kAll], text, "requested_bytes");
+  out.num_alloc_retries = stat_value(text, "num_alloc_retries");
+  out.num_ooms = stat_value(text, "num_ooms");
+  out.num_device_alloc = stat_value(text, "num_device_alloc");
+  out.num_device_free = stat_value(text, "num_device_free");
+  return out;
 }
 
 // ---- private pools ----------------------------------------------------------------
@@ -251,7 +315,9 @@ void* shim_malloc(size_t size, int device, cudaStream_t stream) {
 void shim_free(void* ptr, size_t /*size*/, int device, cudaStream_t stream) {
   if (!ptr) return;
   int st = g.free(ptr, device, stream);
-  if (st != kOk) {
+  // After gpupool_shutdown (tensors outliving it at exit) the memory is
+  // already back with the driver: nothing to report.
+  if (st != kOk && st != kShutdown && st != kNotInitialized) {
     // Frees run in destructors: report, never throw.
     std::fprintf(stderr, "gpupool: free of %p on device %d failed: %s\n", ptr, device,
                  last_error().c_str());
@@ -361,6 +427,24 @@ struct GpupoolAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     // the caller can observe; nothing to do.
   }
 
+  // torch.cuda.memory_stats(), memory_allocated(), max_memory_allocated(),
+  // memory_reserved(), ... with gpupool's figures.
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    return device_stats(device);
+  }
+
+  // torch.cuda.reset_peak_memory_stats().
+  void resetPeakStats(c10::DeviceIndex device) override {
+    int st = g.reset_peak_stats(device);
+    if (st != kOk) throw_status(st, "gpupool_reset_peak_stats");
+  }
+
+  // torch.cuda.empty_cache() ({0, 0}) and ~MemPool (its id): gpupool_trim
+  // gives every device's cached memory back. Never throws.
+  void emptyCache(c10::cuda::MempoolId_t /*mempool_id*/) override {
+    shim_empty_cache();
+  }
+
   double getMemoryFraction(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(g_fraction_mu);
     auto it = g_fraction.find(device);
@@ -434,6 +518,9 @@ __attribute__((visibility("default"))) int gpupool_torch_shim_install(const char
     need(resolve(h, "gpupool_set_memory_limit", f.set_memory_limit), "gpupool_set_memory_limit");
     need(resolve(h, "gpupool_last_error", f.last_error), "gpupool_last_error");
     need(resolve(h, "gpupool_status_name", f.status_name), "gpupool_status_name");
+    need(resolve(h, "gpupool_memory_stats_json", f.memory_stats_json), "gpupool_memory_stats_json");
+    need(resolve(h, "gpupool_needed_len", f.needed_len), "gpupool_needed_len");
+    need(resolve(h, "gpupool_reset_peak_stats", f.reset_peak_stats), "gpupool_reset_peak_stats");
     if (!missing.empty()) {
       set_error(err, errlen, std::string(libpath) + " lacks " + missing);
       return -1;
