@@ -276,6 +276,13 @@ def test_torch_shim_build_is_cached_and_keyed_by_source(tmp_path, monkeypatch):
     (cuda / "include" / "cuda_runtime_api.h").write_text("/* stand-in */\n")
     monkeypatch.setenv("CUDA_HOME", str(cuda))
     monkeypatch.setenv("GPUPOOL_TORCH_SHIM_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("GPUPOOL_CUDA_INCLUDE", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    # Only the stand-in CUDA: no nvidia wheels from this environment's site-packages.
+    import site
+
+    monkeypatch.setattr(site, "getsitepackages", lambda: [])
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if "-packages" not in p])
     # Without crt/host_defines.h (cuda_runtime.h needs it): a clear error.
     with pytest.raises(RuntimeError, match="crt/host_defines.h.*nvidia-cuda-nvcc-cu12"):
         gt.build_shim()

@@ -1,0 +1,35 @@
+"""The torch shim, built and driven without a GPU (gpupool on the
+simulator): runs _torch_shim_cpu.py in its own process where a torch with
+CUDA support (libtorch_cuda), CUDA's runtime headers and a C++ compiler are
+present; skipped otherwise (CI compiles the shim in
+scripts/torch-shim-check.sh instead)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def _torch_with_cuda_libs():
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return False
+    return (Path(spec.origin).parent / "lib" / "libtorch_cuda.so").exists()
+
+
+@pytest.mark.skipif(not _torch_with_cuda_libs(), reason="needs a torch with libtorch_cuda.so")
+def test_torch_shim_on_the_simulator():
+    env = dict(os.environ)
+    env.pop("GPUPOOL_CONF", None)
+    p = subprocess.run([sys.executable, str(HERE / "_torch_shim_cpu.py")], capture_output=True,
+                       text=True, env=env, timeout=600)
+    if p.returncode != 0 and "building the shim needs CUDA's runtime headers" in p.stderr:
+        pytest.skip("CUDA runtime headers not found")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    assert "torch shim cpu: OK" in p.stdout, p.stdout
+    print(p.stdout)
