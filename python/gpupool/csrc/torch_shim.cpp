@@ -56,7 +56,11 @@
 // lifetimes are counted as PyTorch's own allocator counts them
 // (createOrIncrefPool and beginAllocateToPool add one, releasePool takes
 // one); at zero the shim calls gpupool_release_pool(device, pool).
-// Frees of pool blocks go through gpupool_free like any other.
+// While a pool is active, a free on a stream its filter accepts (the
+// capturing stream) is deferred to endAllocateToPool, then done with
+// gpupool_free like any other (so gpupool records no event on a capturing
+// stream), and gpupool's calls run in relaxed stream-capture mode (a
+// capture in global mode would otherwise fail them on every thread).
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/util/Exception.h>
@@ -141,30 +145,64 @@ std::string status_name(int st) {
   __builtin_unreachable();
 }
 
-// ---- the device's total memory (memory fraction) -------------------------------
+// ---- the CUDA driver (device size, stream-capture mode) ----------------------------
 
-// The driver's cuDeviceTotalMem_v2, from the libcuda PyTorch loaded: no
-// build-time CUDA dependency and no context needed.
-uint64_t device_total_bytes(int device) {
-  using DeviceGet = int (*)(int*, int);
-  using TotalMem = int (*)(size_t*, int);
-  static DeviceGet device_get = nullptr;
-  static TotalMem total_mem = nullptr;
+// From the libcuda PyTorch loaded, with dlsym: no build-time CUDA library.
+struct Driver {
+  int (*device_get)(int*, int) = nullptr;                  // cuDeviceGet
+  int (*total_mem)(size_t*, int) = nullptr;                // cuDeviceTotalMem_v2
+  int (*exchange_capture_mode)(int*) = nullptr;            // cuThreadExchangeStreamCaptureMode
+};
+
+const Driver& driver() {
+  static Driver d;
   static std::once_flag once;
   std::call_once(once, [] {
     void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     if (!h) h = dlopen("libcuda.so.1", RTLD_NOW);
     if (!h) return;
-    device_get = reinterpret_cast<DeviceGet>(dlsym(h, "cuDeviceGet"));
-    total_mem = reinterpret_cast<TotalMem>(dlsym(h, "cuDeviceTotalMem_v2"));
+    d.device_get = reinterpret_cast<int (*)(int*, int)>(dlsym(h, "cuDeviceGet"));
+    d.total_mem = reinterpret_cast<int (*)(size_t*, int)>(dlsym(h, "cuDeviceTotalMem_v2"));
+    d.exchange_capture_mode =
+        reinterpret_cast<int (*)(int*)>(dlsym(h, "cuThreadExchangeStreamCaptureMode"));
   });
-  TORCH_CHECK(device_get && total_mem, "gpupool: libcuda.so.1 (cuDeviceTotalMem_v2) not found");
+  return d;
+}
+
+// The device's total memory (the memory fraction's base); no context needed.
+uint64_t device_total_bytes(int device) {
+  const Driver& d = driver();
+  TORCH_CHECK(d.device_get && d.total_mem, "gpupool: libcuda.so.1 (cuDeviceTotalMem_v2) not found");
   int dev = 0;
   size_t bytes = 0;
-  TORCH_CHECK(device_get(&dev, device) == 0, "gpupool: cuDeviceGet(", device, ") failed");
-  TORCH_CHECK(total_mem(&bytes, dev) == 0, "gpupool: cuDeviceTotalMem(", device, ") failed");
+  TORCH_CHECK(d.device_get(&dev, device) == 0, "gpupool: cuDeviceGet(", device, ") failed");
+  TORCH_CHECK(d.total_mem(&bytes, dev) == 0, "gpupool: cuDeviceTotalMem(", device, ") failed");
   return bytes;
 }
+
+// While a private pool is active (a CUDA graph may be capturing, by default
+// in cudaStreamCaptureModeGlobal, which makes driver calls that are unsafe
+// during capture fail on every thread), gpupool's calls run with this
+// thread in relaxed capture mode, as PyTorch's own allocator does around
+// cudaMalloc. Calls on the capturing stream itself stay gpupool's business.
+class RelaxedCapture {
+ public:
+  explicit RelaxedCapture(bool want) {
+    const Driver& d = driver();
+    if (want && d.exchange_capture_mode) {
+      on_ = d.exchange_capture_mode(&mode_) == 0;
+    }
+  }
+  ~RelaxedCapture() {
+    if (on_) driver().exchange_capture_mode(&mode_);
+  }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  int mode_ = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED; the previous mode after the swap
+  bool on_ = false;
+};
 
 // ---- statistics (torch.cuda.memory_stats and its helpers) -------------------------
 
@@ -234,11 +272,18 @@ uint64_t pool_key(PoolId id) {
   return h | 1;
 }
 
+struct Deferred {
+  void* ptr;
+  int device;
+  cudaStream_t stream;
+};
+
 struct Active {
   int device;
   uint64_t pool;
   std::function<bool(cudaStream_t)> filter;
   std::vector<cudaStream_t> begun;  // streams gpupool was told about
+  std::vector<Deferred> deferred;   // frees on accepted streams, done at the end
 };
 
 std::mutex g_pools_mu;
@@ -301,7 +346,9 @@ uint64_t route(int device, cudaStream_t stream) {
 void* shim_malloc(size_t size, int device, cudaStream_t stream) {
   if (size == 0) return nullptr;  // PyTorch never frees it
   void* out = nullptr;
-  uint64_t pool = g_n_active.load(std::memory_order_acquire) > 0 ? route(device, stream) : 0;
+  bool pools_active = g_n_active.load(std::memory_order_acquire) > 0;
+  RelaxedCapture relaxed(pools_active);
+  uint64_t pool = pools_active ? route(device, stream) : 0;
   int st = pool ? g.alloc_in_pool(size, device, stream, pool, &out)
                 : g.alloc(size, device, stream, &out);
   if (st != kOk) {
@@ -312,8 +359,23 @@ void* shim_malloc(size_t size, int device, cudaStream_t stream) {
   return out;
 }
 
-void shim_free(void* ptr, size_t /*size*/, int device, cudaStream_t stream) {
-  if (!ptr) return;
+// A free on a stream an active pool accepts (the capturing stream, the
+// thread inside use_mem_pool) waits for that pool's endAllocateToPool: no
+// event is recorded on a capturing stream, and the block is not reused
+// within the capture (PyTorch's allocator reuses it; memory in a capture
+// can be a little higher). Returns whether it was deferred.
+bool defer_free(void* ptr, int device, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(g_pools_mu);
+  for (auto& a : g_active) {
+    if (a.device == device && a.filter(stream)) {
+      a.deferred.push_back(Deferred{ptr, device, stream});
+      return true;
+    }
+  }
+  return false;
+}
+
+void free_now(void* ptr, int device, cudaStream_t stream) {
   int st = g.free(ptr, device, stream);
   // After gpupool_shutdown (tensors outliving it at exit) the memory is
   // already back with the driver: nothing to report.
@@ -322,6 +384,21 @@ void shim_free(void* ptr, size_t /*size*/, int device, cudaStream_t stream) {
     std::fprintf(stderr, "gpupool: free of %p on device %d failed: %s\n", ptr, device,
                  last_error().c_str());
   }
+}
+
+void shim_free(void* ptr, size_t /*size*/, int device, cudaStream_t stream) {
+  if (!ptr) return;
+  if (g_n_active.load(std::memory_order_acquire) > 0) {
+    RelaxedCapture relaxed(true);
+    try {
+      if (defer_free(ptr, device, stream)) return;
+    } catch (...) {
+      // A filter that throws: free now.
+    }
+    free_now(ptr, device, stream);
+    return;
+  }
+  free_now(ptr, device, stream);
 }
 
 void shim_record_stream(void* ptr, cudaStream_t stream) {
@@ -363,7 +440,7 @@ void shim_begin_allocate_to_pool(int device, PoolId id, std::function<bool(cudaS
                 "gpupool: beginAllocateToPool: already allocating to this pool");
   }
   incref(device, pool);
-  g_active.push_back(Active{device, pool, std::move(filter), {}});
+  g_active.push_back(Active{device, pool, std::move(filter), {}, {}});
   g_n_active.fetch_add(1, std::memory_order_release);
 }
 
@@ -371,21 +448,22 @@ void shim_end_allocate_to_pool(int device, PoolId id) {
   if (!g.pools()) return;
   uint64_t pool = pool_key(id);
   bool begun = false;
+  std::vector<Deferred> deferred;
   {
     std::lock_guard<std::mutex> lock(g_pools_mu);
     for (auto it = g_active.begin(); it != g_active.end(); ++it) {
       if (it->device == device && it->pool == pool) {
         begun = !it->begun.empty();
+        deferred.swap(it->deferred);
         g_active.erase(it);
         g_n_active.fetch_sub(1, std::memory_order_release);
         break;
       }
     }
   }
-  if (begun) {
-    int st = g.end_allocate_to_pool(device, pool);
-    if (st != kOk) throw_status(st, "gpupool_end_allocate_to_pool");
-  }
+  int st = begun ? g.end_allocate_to_pool(device, pool) : kOk;
+  for (const Deferred& d : deferred) free_now(d.ptr, d.device, d.stream);
+  if (st != kOk) throw_status(st, "gpupool_end_allocate_to_pool");
 }
 
 void shim_release_pool(int device, PoolId id) {
