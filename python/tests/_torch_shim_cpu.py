@@ -37,9 +37,21 @@ def build(out: str) -> None:
 
 def main() -> None:
     gpupool.init("backend=sim,devices=2,capacity=1GiB,maint_ms=0")
-    out = os.path.join(tempfile.mkdtemp(), "harness.so")
+    tmp = tempfile.mkdtemp()
+    out = os.path.join(tmp, "harness.so")
     build(out)
     h = ctypes.CDLL(out)
+    lib_path = gpupool.library_path()
+    fake = None
+    if "--fake-pools" in sys.argv:
+        # The shim over a stand-in library that has the pool functions.
+        os.environ["GPUPOOL_REAL_LIB"] = lib_path
+        lib_path = os.path.join(tmp, "fakepool.so")
+        cc = os.environ.get("CC", "cc")
+        subprocess.run([cc, "-std=c11", "-fPIC", "-shared", "-o", lib_path,
+                        str(HERE / "fake_pool_lib.c"), "-ldl"], check=True)
+        fake = ctypes.CDLL(lib_path)
+        fake.fake_pool_log.restype = ctypes.c_char_p
     err = ctypes.create_string_buffer(4096)
     E = (err, len(err))
     vp = ctypes.c_void_p
@@ -50,8 +62,8 @@ def main() -> None:
         return rc, err.value.decode(errors="replace")
 
     h.gpupool_torch_shim_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
-    assert h.gpupool_torch_shim_install(os.fsencode(gpupool.library_path()), *E) == 0, err.value
-    assert h.gpupool_torch_shim_install(os.fsencode(gpupool.library_path()), *E) == 0  # no-op
+    assert h.gpupool_torch_shim_install(os.fsencode(lib_path), *E) == 0, err.value
+    assert h.gpupool_torch_shim_install(os.fsencode(lib_path), *E) == 0  # no-op
     assert h.harness_current_is_shim() == 1
     name = ctypes.create_string_buffer(64)
     h.harness_name(name, 64)
@@ -154,21 +166,61 @@ def main() -> None:
 
     # Private pools.
     if h.gpupool_torch_shim_has_pools():
+        def log():
+            return fake.fake_pool_log().decode().splitlines() if fake else []
+
+        def requested():
+            return gpupool.memory_stats(0)["requested_bytes.all.current"]
+
+        n0 = len(log())
+        r0 = requested()
+        # torch.cuda.MemPool(): {0, 1} is gpupool pool 3.
         rc, msg = call("harness_create_pool", 0, 0, 1)
         assert rc == 0, msg
         assert h.harness_pool_use_count(0, 0, 1) == 1
+        # use_mem_pool: begin, allocations routed (gpupool told once per stream).
         rc, msg = call("harness_begin_pool", 0, 0, 1)
         assert rc == 0, msg
         assert h.harness_pool_use_count(0, 0, 1) == 2
-        p, msg = malloc(MIB, 0)
-        assert p, msg
+        rc, msg = call("harness_begin_pool", 0, 0, 1)
+        assert rc == 1 and "already allocating" in msg, msg
+        p1, msg = malloc(MIB, 0)
+        assert p1, msg
+        p2, msg = malloc(2 * MIB, 0)
+        assert p2, msg
+        if fake:
+            assert log()[n0:] == ["begin 0 3 0", f"alloc_in_pool {MIB} 0 0 3",
+                                  f"alloc_in_pool {2 * MIB} 0 0 3"], log()[n0:]
+        # A free inside the pool's window waits for its end.
+        assert call("harness_free", p1)[0] == 0
+        assert requested() == r0 + 3 * MIB
         rc, msg = call("harness_end_pool", 0, 0, 1)
         assert rc == 0, msg
+        assert requested() == r0 + 2 * MIB
+        if fake:
+            assert log()[n0 + 3:] == ["end 0 3", f"free {p1} 0 0"], log()[n0 + 3:]
+        # After the end: allocations are gpupool's ordinary ones again.
+        p3, msg = malloc(MIB, 0)
+        assert p3, msg
+        assert call("harness_free", p3)[0] == 0
+        if fake:
+            assert [l for l in log()[n0 + 5:] if not l.startswith("free")] == [], log()
+        # use_mem_pool's releasePool, then ~MemPool's: gpupool_release_pool at zero.
         rc, msg = call("harness_release_pool", 0, 0, 1)
         assert rc == 0 and h.harness_pool_use_count(0, 0, 1) == 1, msg
-        assert call("harness_free", p)[0] == 0
+        assert call("harness_free", p2)[0] == 0
         rc, msg = call("harness_release_pool", 0, 0, 1)
         assert rc == 0 and h.harness_pool_use_count(0, 0, 1) == 0, msg
+        if fake:
+            assert log()[-1] == "release 0 3", log()
+            # A graph pool ({5, 0}: 10) that allocated nothing: no begin or
+            # end reaches gpupool, the release does.
+            n1 = len(log())
+            assert call("harness_begin_pool", 0, 5, 0)[0] == 0
+            assert call("harness_end_pool", 0, 5, 0)[0] == 0
+            assert call("harness_release_pool", 0, 5, 0)[0] == 0
+            assert log()[n1:] == ["release 0 10"], log()[n1:]
+        assert requested() == r0
         print("private pools: available, routed")
     else:
         missing = h.gpupool_torch_shim_missing_pools().decode()

@@ -23,11 +23,18 @@ def _torch_with_cuda_libs():
 
 
 @pytest.mark.skipif(not _torch_with_cuda_libs(), reason="needs a torch with libtorch_cuda.so")
-def test_torch_shim_on_the_simulator():
+@pytest.mark.parametrize("library", ["gpupool", "with-pool-functions"])
+def test_torch_shim_on_the_simulator(library):
+    """"gpupool": the library as it is (private pools reported unavailable
+    until it has the pool functions); "with-pool-functions": a stand-in
+    (fake_pool_lib.c) that has them, so the shim's routing is checked call
+    by call."""
     env = dict(os.environ)
     env.pop("GPUPOOL_CONF", None)
-    p = subprocess.run([sys.executable, str(HERE / "_torch_shim_cpu.py")], capture_output=True,
-                       text=True, env=env, timeout=600)
+    cmd = [sys.executable, str(HERE / "_torch_shim_cpu.py")]
+    if library == "with-pool-functions":
+        cmd.append("--fake-pools")
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if p.returncode != 0 and "building the shim needs CUDA's runtime headers" in p.stderr:
         pytest.skip("CUDA runtime headers not found")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
