@@ -47,6 +47,13 @@ int harness_malloc(size_t size, int device, void** out, char* err, size_t len) {
   return guarded(err, len, [&] { *out = g_allocator->malloc(size, device, nullptr); });
 }
 
+// The same on a given stream.
+int harness_malloc_on(size_t size, int device, void* stream, void** out, char* err, size_t len) {
+  return guarded(err, len, [&] {
+    *out = g_allocator->malloc(size, device, static_cast<cudaStream_t>(stream));
+  });
+}
+
 // What a DataPtr's deleter does.
 int harness_free(void* ptr, char* err, size_t len) {
   return guarded(err, len, [&] { g_allocator->raw_delete(ptr); });

@@ -49,17 +49,19 @@
 // beginAllocateToPool gives a filter over streams, not a stream; the shim
 // keeps the active pools with their filters and, in malloc, asks them in
 // order of activation: the first that accepts the allocating stream gets
-// the allocation, through gpupool_alloc_in_pool. The first time a pool
-// accepts a given stream the shim also calls
-// gpupool_begin_allocate_to_pool(device, pool, stream), and at
-// endAllocateToPool gpupool_end_allocate_to_pool(device, pool) once. Pool
-// lifetimes are counted as PyTorch's own allocator counts them
+// the allocation, through gpupool_alloc_in_pool. gpupool is told of the
+// routed streams with gpupool_begin_allocate_to_pool(device, pool, stream):
+// at beginAllocateToPool for the current stream (PyTorch calls it on the
+// capturing stream just before the capture begins, as gpupool wants), and
+// at the first allocation a pool accepts on any other stream (side streams
+// joining a capture); at endAllocateToPool, gpupool_end_allocate_to_pool
+// once. Pool lifetimes are counted as PyTorch's own allocator counts them
 // (createOrIncrefPool and beginAllocateToPool add one, releasePool takes
-// one); at zero the shim calls gpupool_release_pool(device, pool).
-// While a pool is active, a free on a stream its filter accepts (the
-// capturing stream) is deferred to endAllocateToPool, then done with
-// gpupool_free like any other (so gpupool records no event on a capturing
-// stream), and gpupool's calls run in relaxed stream-capture mode (a
+// one); at zero the shim calls gpupool_release_pool(device, pool) when
+// gpupool has seen the pool. While a pool is active, a free on a stream its
+// filter accepts but gpupool was not told of is deferred to
+// endAllocateToPool (gpupool records no event on a stream it does not know
+// is capturing), and gpupool's calls run in relaxed stream-capture mode (a
 // capture in global mode would otherwise fail them on every thread).
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -74,6 +76,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -282,9 +285,34 @@ struct Active {
   int device;
   uint64_t pool;
   std::function<bool(cudaStream_t)> filter;
-  std::vector<cudaStream_t> begun;  // streams gpupool was told about
-  std::vector<Deferred> deferred;   // frees on accepted streams, done at the end
+  std::vector<cudaStream_t> tried;  // streams gpupool_begin_allocate_to_pool was called for
+  std::vector<cudaStream_t> begun;  // ... and accepted (gpupool knows they route/capture)
+  std::vector<Deferred> deferred;   // frees on accepted streams gpupool was not told of
 };
+
+// Pools gpupool has seen (a begin or an allocation in it succeeded): the
+// only ones gpupool_release_pool is called for.
+std::set<std::pair<int, uint64_t>> g_touched;  // under g_pools_mu
+
+bool contains(const std::vector<cudaStream_t>& v, cudaStream_t s) {
+  for (auto x : v) {
+    if (x == s) return true;
+  }
+  return false;
+}
+
+// Under g_pools_mu. Tells gpupool that `stream` routes to the pool (and may
+// capture), once per stream; a refusal (the stream already routed to
+// another pool, say) is not an error: allocations still go to the pool
+// through gpupool_alloc_in_pool, whatever the stream's routing.
+void begin_stream(Active& a, cudaStream_t stream) {
+  if (contains(a.tried, stream)) return;
+  a.tried.push_back(stream);
+  if (g.begin_allocate_to_pool(a.device, a.pool, stream) == kOk) {
+    a.begun.push_back(stream);
+    g_touched.insert({a.device, a.pool});
+  }
+}
 
 std::mutex g_pools_mu;
 std::vector<Active> g_active;                   // under g_pools_mu
@@ -311,7 +339,7 @@ void decref(int device, uint64_t pool) {
   if (it == g_uses.end()) return;
   if (--it->second > 0) return;
   g_uses.erase(it);
-  if (g.release_pool) {
+  if (g.release_pool && g_touched.erase({device, pool}) > 0) {
     int st = g.release_pool(device, pool);
     if (st != kOk) {
       std::fprintf(
@@ -329,16 +357,15 @@ uint64_t route(int device, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(g_pools_mu);
   for (auto& a : g_active) {
     if (a.device != device || !a.filter(stream)) continue;
-    bool known = false;
-    for (auto s : a.begun) known = known || s == stream;
-    if (!known) {
-      int st = g.begin_allocate_to_pool(device, a.pool, stream);
-      if (st != kOk) throw_status(st, "gpupool_begin_allocate_to_pool");
-      a.begun.push_back(stream);
-    }
+    begin_stream(a, stream);
     return a.pool;
   }
   return 0;
+}
+
+void touched(int device, uint64_t pool) {
+  std::lock_guard<std::mutex> lock(g_pools_mu);
+  g_touched.insert({device, pool});
 }
 
 // ---- the hooks --------------------------------------------------------------------
@@ -351,6 +378,7 @@ void* shim_malloc(size_t size, int device, cudaStream_t stream) {
   uint64_t pool = pools_active ? route(device, stream) : 0;
   int st = pool ? g.alloc_in_pool(size, device, stream, pool, &out)
                 : g.alloc(size, device, stream, &out);
+  if (pool && st == kOk) touched(device, pool);
   if (st != kOk) {
     std::string what = "allocating " + std::to_string(size) + " bytes on device " +
         std::to_string(device);
@@ -359,15 +387,17 @@ void* shim_malloc(size_t size, int device, cudaStream_t stream) {
   return out;
 }
 
-// A free on a stream an active pool accepts (the capturing stream, the
-// thread inside use_mem_pool) waits for that pool's endAllocateToPool: no
-// event is recorded on a capturing stream, and the block is not reused
-// within the capture (PyTorch's allocator reuses it; memory in a capture
-// can be a little higher). Returns whether it was deferred.
+// A free on a stream an active pool accepts (a capturing stream) but that
+// gpupool was not told of (no allocation on it yet in this capture, or
+// gpupool refused its routing) waits for that pool's endAllocateToPool, so
+// that gpupool records no event on a stream it does not know is
+// capturing. Frees on streams gpupool knows are its own business (it
+// defers what needs deferring and reuses blocks within the capture, as
+// PyTorch's allocator does). Returns whether it was deferred.
 bool defer_free(void* ptr, int device, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(g_pools_mu);
   for (auto& a : g_active) {
-    if (a.device == device && a.filter(stream)) {
+    if (a.device == device && !contains(a.begun, stream) && a.filter(stream)) {
       a.deferred.push_back(Deferred{ptr, device, stream});
       return true;
     }
@@ -440,8 +470,18 @@ void shim_begin_allocate_to_pool(int device, PoolId id, std::function<bool(cudaS
                 "gpupool: beginAllocateToPool: already allocating to this pool");
   }
   incref(device, pool);
-  g_active.push_back(Active{device, pool, std::move(filter), {}, {}});
+  g_active.push_back(Active{device, pool, std::move(filter), {}, {}, {}});
   g_n_active.fetch_add(1, std::memory_order_release);
+  // gpupool wants the routed stream before the capture begins, and PyTorch
+  // calls this just before cudaStreamBeginCapture, on the capturing stream
+  // (use_mem_pool: on the stream the thread allocates on). The filter cannot
+  // accept it yet (no capture id), so it is told now, best effort: without
+  // a CUDA device (or should the lookup fail) routing starts at the first
+  // allocation the filter accepts.
+  try {
+    begin_stream(g_active.back(), c10::cuda::getCurrentCUDAStream(device).stream());
+  } catch (const std::exception&) {
+  }
 }
 
 void shim_end_allocate_to_pool(int device, PoolId id) {
