@@ -125,6 +125,12 @@ def child(args) -> dict:
         )
         if args.snapshot:
             gpupool.dump_snapshot(args.snapshot)
+        if args.allocator == "gpupool":
+            # Through the shim PyTorch's own call reports gpupool's figure.
+            report["torch_max_memory_allocated"] = torch.cuda.max_memory_allocated(dev)
+            report["torch_agrees"] = (
+                report["torch_max_memory_allocated"] == flat["allocated_bytes.all.peak"]
+            )
     else:
         flat = torch.cuda.memory_stats(dev)
         report["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
