@@ -29,8 +29,24 @@
 #      demo run on the real device;
 #   5. GPU micro-benchmarks (`gpupool bench --gpu`): pool alloc/free pairs vs
 #      cuMemAlloc and cuMemAllocAsync, compaction kernel vs cuMemcpyDtoD;
-#   6. the PyTorch pluggable-allocator run (python/examples/train.py: a small
-#      transformer trained with gpupool and with PyTorch's allocator);
+#   6. PyTorch through gpupool's C++ shim (gpupool.torch.install()):
+#      torch_shim_build builds it against the machine's torch (CUDA headers
+#      for torch's CUDA version come from gpu-bundle/cuda-include, fetched by
+#      `build`; GPUPOOL_TORCH_SHIM_DIR keeps the build for the next steps);
+#      torch_checks (python/examples/torch_checks.py) asserts record_stream,
+#      empty_cache, the memory fraction, torch.OutOfMemoryError with
+#      gpupool's report, torch.cuda.memory_stats, CUDA graph capture and
+#      torch.cuda.MemPool private pools (reported as skipped, with the
+#      reason, when the library lacks the pool functions);
+#   7. torch: python/examples/train.py, a small transformer trained with
+#      gpupool (shim), PyTorch's allocator and PyTorch's
+#      expandable_segments:True, comparing the same peaks (allocated,
+#      requested, reserved, in PyTorch's meanings) and step times;
+#   8. ddp: python/examples/ddp.py, two ranks under torch.distributed.run
+#      --standalone with gpupool as each rank's allocator (both on device 0,
+#      so Gloo: NCCL refuses two ranks on one GPU);
+#   9. cupy: python/examples/cupy_check.py, gpupool.cupy (skips, passing,
+#      where CuPy is not installed);
 # and writes logs, summary.txt and gpu-check.json (every step's pass/fail,
 # seconds, test counts, the libraries loaded and each step's figures) to
 # $OUT (or gpu-out/ when $OUT is unset).
@@ -65,6 +81,11 @@ for line in sys.stdin:
     cargo build --release -p gpupool-tools --bin gpupool
     cp target/release/gpupool target/release/libgpupool.so "$bundle/"
     strip "$bundle"/* 2>/dev/null || true
+    # CUDA's runtime headers, for building the torch shim on a machine
+    # without a toolkit (the GPU machine has no network): CUDA 12 and 13,
+    # picked at run time by torch.version.cuda.
+    bash scripts/fetch-cuda-headers.sh 12.8 "$bundle/cuda-include/12"
+    bash scripts/fetch-cuda-headers.sh 13.0 "$bundle/cuda-include/13"
     du -sh "$bundle"
 }
 
@@ -152,8 +173,25 @@ PY
     GPUPOOL_LOG=gpupool=info check_json info 60 "$bundle/gpupool" info --backend cuda --json
     GPUPOOL_LOG=gpupool=info check_json demo 150 "$bundle/gpupool" demo --backend cuda --json
     check_json bench_gpu 150 "$bundle/gpupool" bench --gpu --json
-    GPUPOOL_LIB="$bundle/libgpupool.so" check torch 180 \
-        python3 python/examples/train.py --steps 300 --out "$out/torch.json"
+    # PyTorch through the shim: CUDA headers matching torch's CUDA, one
+    # build shared by every process below.
+    torch_cuda=$(python3 -c 'import torch; print((torch.version.cuda or "").split(".")[0])' 2>/dev/null || true)
+    if [ -n "$torch_cuda" ] && [ -d "$bundle/cuda-include/$torch_cuda" ]; then
+        GPUPOOL_CUDA_INCLUDE=$(ls -d "$bundle/cuda-include/$torch_cuda"/nvidia/*/include | paste -sd:)
+        export GPUPOOL_CUDA_INCLUDE
+    fi
+    export GPUPOOL_TORCH_SHIM_DIR="${TMPDIR:-/tmp}/gpupool-torch-shim.$$"
+    export GPUPOOL_LIB="$bundle/libgpupool.so"
+    echo "torch CUDA ${torch_cuda:-none}; GPUPOOL_CUDA_INCLUDE=${GPUPOOL_CUDA_INCLUDE:-}" | tee -a "$summary"
+    USE_INSTALLED_TORCH=1 check torch_shim_build 120 bash scripts/torch-shim-check.sh
+    check_json torch_checks 120 python3 python/examples/torch_checks.py
+    check torch 200 python3 python/examples/train.py --steps 200 \
+        --allocators gpupool,pytorch,pytorch-expandable --out "$out/torch.json"
+    check ddp 120 python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
+        python/examples/ddp.py --steps 30 --out "$out/ddp.json"
+    check_json cupy 60 python3 python/examples/cupy_check.py
+    unset GPUPOOL_LIB
+    rm -rf "$GPUPOOL_TORCH_SHIM_DIR"
     grep -h "test result" "$out"/*.log | tee -a "$summary"
     # The JSON summary: steps, test counts, libraries and figures.
     python3 - "$out" <<'PY' || status=1
@@ -189,6 +227,9 @@ summary = {
     "demo": load(os.path.join(out, "demo.json")),
     "bench_gpu": load(os.path.join(out, "bench_gpu.json")),
     "torch": load(os.path.join(out, "torch.json")),
+    "torch_checks": load(os.path.join(out, "torch_checks.json")),
+    "ddp": load(os.path.join(out, "ddp.json")),
+    "cupy": load(os.path.join(out, "cupy.json")),
 }
 with open(os.path.join(out, "gpu-check.json"), "w") as f:
     json.dump(summary, f, indent=1)

@@ -1,18 +1,32 @@
 #!/usr/bin/env python3
-"""Trains a small transformer with gpupool and with PyTorch's default
-allocator, each in its own process, and prints one JSON report:
+"""Trains a small transformer under several CUDA allocators, each in its own
+process, and prints one JSON report:
 
     {"skipped": false, "steps": 300, "runs": [
       {"allocator": "gpupool", "step_ms": ..., "peak_reserved_bytes": ...,
-       "peak_allocated_bytes": ..., "final_loss": ..., ...},
-      {"allocator": "pytorch", ...}]}
+       "peak_allocated_bytes": ..., "peak_requested_bytes": ..., ...},
+      {"allocator": "pytorch", ...}, {"allocator": "pytorch-expandable", ...}],
+     "vs_pytorch": {"gpupool": {"step_time_ratio": ..., "peak_allocated_ratio": ...,
+                                "peak_reserved_ratio": ..., ...}, ...}}
 
-Peaks compare like with like, in PyTorch's meanings on both sides:
-peak_allocated_bytes is the peak of the rounded sizes of live blocks,
-peak_requested_bytes that of the sizes asked for, peak_reserved_bytes that of
-device memory held; for gpupool from gpupool.memory_stats(), for PyTorch from
-torch.cuda.memory_stats(). Without torch or a CUDA device it prints
-{"skipped": true, "reason": ...} and exits 0.
+Allocators (``--allocators``, a comma list; default
+gpupool,pytorch,pytorch-expandable):
+
+  gpupool             gpupool.torch.install(): the C++ shim
+  gpupool-python      gpupool.torch.install(shim=False): PyTorch's Python
+                      CUDAPluggableAllocator over gpupool_torch_malloc/free
+  pytorch             PyTorch's caching allocator, default settings
+  pytorch-expandable  the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+
+Peaks compare like with like: every run reports the same three statistics
+under the same keys, in PyTorch's meanings (gpupool keeps them so):
+peak_allocated_bytes is ``allocated_bytes.all.peak`` (rounded sizes of live
+blocks), peak_requested_bytes ``requested_bytes.all.peak`` (sizes asked
+for), peak_reserved_bytes ``reserved_bytes.all.peak`` (device memory held);
+from gpupool.memory_stats() for gpupool's runs, from
+torch.cuda.memory_stats() for PyTorch's. ``vs_pytorch`` divides each run's
+figures by the default PyTorch run's. Without torch or a CUDA device it
+prints {"skipped": true, "reason": ...} and exits 0.
 
     cargo build --release
     python3 python/examples/train.py --steps 300 [--out report.json]
@@ -37,11 +51,17 @@ def skip(reason: str) -> None:
     sys.exit(0)
 
 
+ALLOCATORS = ("gpupool", "gpupool-python", "pytorch", "pytorch-expandable")
+
+
 def child(args) -> dict:
-    if args.allocator == "gpupool":
+    if args.allocator in ("gpupool", "gpupool-python"):
         import gpupool.torch
 
-        gpupool.torch.install(os.environ.get("GPUPOOL_CONF", "backend=cuda"))
+        gpupool.torch.install(shim=args.allocator == "gpupool")
+    elif args.allocator == "pytorch-expandable":
+        # Read when PyTorch's allocator starts (the first CUDA allocation).
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     import torch
     import torch.nn as nn
 
@@ -92,27 +112,35 @@ def child(args) -> dict:
         "final_loss": loss_val,
         "device": torch.cuda.get_device_name(dev),
     }
-    if args.allocator == "gpupool":
-        import gpupool.torch as gpupool_torch
+    if args.allocator.startswith("gpupool"):
+        import gpupool
 
-        st = gpupool_torch.stats(0)
+        flat = gpupool.memory_stats(0)
+        st = gpupool.stats(0)
         report.update(
-            peak_reserved_bytes=st["reserved_bytes"]["peak"],
-            peak_allocated_bytes=st["allocated_bytes"]["peak"],
-            peak_requested_bytes=st["requested_bytes"]["peak"],
             num_allocs=st["num_allocs"],
             num_device_allocs=st["num_device_allocs"],
             num_ooms=st["num_ooms"],
             host_syncs=st["host_syncs"],
         )
         if args.snapshot:
-            gpupool_torch.dump_snapshot(args.snapshot)
+            gpupool.dump_snapshot(args.snapshot)
+        if args.allocator == "gpupool":
+            # Through the shim PyTorch's own call reports gpupool's figure.
+            report["torch_max_memory_allocated"] = torch.cuda.max_memory_allocated(dev)
+            report["torch_agrees"] = (
+                report["torch_max_memory_allocated"] == flat["allocated_bytes.all.peak"]
+            )
     else:
-        report.update(
-            peak_reserved_bytes=torch.cuda.max_memory_reserved(dev),
-            peak_allocated_bytes=torch.cuda.max_memory_allocated(dev),
-            peak_requested_bytes=torch.cuda.memory_stats(dev).get("requested_bytes.all.peak"),
-        )
+        flat = torch.cuda.memory_stats(dev)
+        report["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    report.update(
+        peak_reserved_bytes=flat["reserved_bytes.all.peak"],
+        peak_allocated_bytes=flat["allocated_bytes.all.peak"],
+        peak_requested_bytes=flat.get("requested_bytes.all.peak"),
+        num_alloc_retries=flat.get("num_alloc_retries"),
+        num_device_alloc=flat.get("num_device_alloc"),
+    )
     return report
 
 
@@ -124,8 +152,11 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--allocator", choices=["gpupool", "pytorch", "both"], default="both")
-    ap.add_argument("--snapshot", help="gpupool run: write a memory_viz pickle here")
+    ap.add_argument("--allocators", default="gpupool,pytorch,pytorch-expandable",
+                    help="comma list of " + ", ".join(ALLOCATORS) + " (each its own process)")
+    ap.add_argument("--allocator", choices=ALLOCATORS + ("both",),
+                    help="run this one in this process (both: gpupool,pytorch, as before)")
+    ap.add_argument("--snapshot", help="gpupool's run: write a memory_viz pickle here")
     ap.add_argument("--out", help="also write the JSON report to this file")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     args = ap.parse_args()
@@ -137,36 +168,53 @@ def main() -> None:
     if not torch.cuda.is_available():
         skip("no CUDA device")
 
-    if args.allocator != "both":
+    if args.allocator == "both":
+        args.allocators, args.allocator = "gpupool,pytorch", None
+    if args.allocator:
         print(json.dumps(child(args)))
         return
+    which_all = [a.strip() for a in args.allocators.split(",") if a.strip()]
+    for a in which_all:
+        if a not in ALLOCATORS:
+            ap.error(f"unknown allocator {a!r}: expected {', '.join(ALLOCATORS)}")
 
     runs = []
-    for which in ("gpupool", "pytorch"):
+    for which in which_all:
         cmd = [sys.executable, __file__, "--allocator", which]
         for k in ("steps", "warmup", "batch", "seq", "layers"):
             cmd += [f"--{k}", str(getattr(args, k))]
         cmd += ["--d-model", str(args.d_model)]
         if which == "gpupool" and args.snapshot:
             cmd += ["--snapshot", args.snapshot]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        env = dict(os.environ)
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # each run its own allocator settings
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
         if p.returncode != 0:
             runs.append({"allocator": which, "error": p.stderr[-4000:]})
             continue
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
     report = {"skipped": False, "steps": args.steps, "runs": runs}
-    ok = [r for r in runs if "error" not in r]
-    if len(ok) == 2:
-        g, t = ok
-        report["gpupool_vs_pytorch"] = {
-            "step_time_ratio": g["step_ms"] / t["step_ms"],
-            "peak_reserved_ratio": g["peak_reserved_bytes"] / max(t["peak_reserved_bytes"], 1),
+    ok = {r["allocator"]: r for r in runs if "error" not in r}
+    base = ok.get("pytorch")
+    if base:
+        def ratio(r, key):
+            return r[key] / base[key] if r.get(key) is not None and base.get(key) else None
+
+        report["vs_pytorch"] = {
+            name: {
+                "step_time_ratio": ratio(r, "step_ms"),
+                "peak_allocated_ratio": ratio(r, "peak_allocated_bytes"),
+                "peak_requested_ratio": ratio(r, "peak_requested_bytes"),
+                "peak_reserved_ratio": ratio(r, "peak_reserved_bytes"),
+            }
+            for name, r in ok.items()
+            if name != "pytorch"
         }
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    sys.exit(0 if len(ok) == 2 else 1)
+    sys.exit(0 if len(ok) == len(runs) else 1)
 
 
 if __name__ == "__main__":

@@ -183,6 +183,11 @@ def _ptr(ptr) -> int:
 
 # ---- lifecycle -------------------------------------------------------------------
 
+#: The configuration the running runtime was started with by :func:`init`
+#: (None when it was started elsewhere, e.g. by C code, or is not running);
+#: gpupool.torch reads it to refuse a simulator under PyTorch.
+_started_conf: Optional[str] = None
+
 
 def init(conf: Optional[str] = "") -> None:
     """Starts gpupool. ``conf`` is a ``GPUPOOL_CONF`` string such as
@@ -192,19 +197,23 @@ def init(conf: Optional[str] = "") -> None:
     raise :class:`ValueError` naming the key."""
     if conf is not None and not isinstance(conf, str):
         raise TypeError(f"conf must be a str, not {type(conf).__name__}")
+    global _started_conf
     arg = conf.encode() if conf else None
     st = _lib.lib().gpupool_init(arg)
     if st != _lib.ALREADY_INITIALIZED:
         _check(st)
+        _started_conf = conf or os.environ.get("GPUPOOL_CONF", "")
 
 
 def shutdown() -> None:
     """Stops gpupool and gives all device memory back; pointers still live
     become invalid. Not running is not an error. :func:`init` starts it
     again."""
+    global _started_conf
     st = _lib.lib().gpupool_shutdown()
     if st not in (_lib.NOT_INITIALIZED, _lib.SHUTDOWN):
         _check(st)
+    _started_conf = None
 
 
 def is_initialized() -> bool:
