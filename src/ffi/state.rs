@@ -27,7 +27,9 @@ use crate::ptr::{DevicePtr, StreamHandle};
 use crate::runtime::Runtime;
 use crossbeam_utils::sync::ShardedLock;
 use std::cell::Cell;
-use std::collections::HashMap;
+// Stream handles are addresses the caller made: FxHash is enough (no
+// adversary), and SipHash would be the costliest step of a call.
+use rustc_hash::FxHashMap as HashMap;
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{LazyLock, PoisonError};
@@ -197,7 +199,7 @@ fn init_from(conf: Option<&str>) -> FResult<()> {
         "gpupool initialized through the C ABI"
     );
     let streams = (0..rt.device_count())
-        .map(|_| ShardedLock::new(HashMap::new()))
+        .map(|_| ShardedLock::new(HashMap::default()))
         .collect();
     let oom_hooked = (0..rt.device_count())
         .map(|_| AtomicBool::new(false))
