@@ -8,7 +8,7 @@ use super::pending::{Pending, Waits};
 use super::size_class::ALIGN;
 use super::{HeapState, LargeLive, PoolShared, Stream};
 use crate::error::Result;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Relaxed, Release};
 
 impl PoolShared {
     /// A large range of `len` bytes (or, from the parking cache, up to
@@ -301,6 +301,7 @@ impl PoolShared {
                 },
             };
             h.quarantine.push((waits, q));
+            self.quarantined.store(true, Release);
         }
         let t = r?;
         if let Err(e) = waited {

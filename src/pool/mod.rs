@@ -142,6 +142,10 @@ pub(crate) struct PoolShared {
     /// stream's dirty memory, so that memory one stream freed becomes
     /// reusable by the others instead of each stream growing its own cache.
     flush_wanted: AtomicBool,
+    /// Whether the heap's quarantine may hold aliases: set with each push
+    /// (under the heap lock), cleared when a harvest empties it, so that a
+    /// harvest with nothing quarantined takes no heap lock for it.
+    quarantined: AtomicBool,
     /// Idle clock of the maintenance step.
     idle: Mutex<maintain::IdleState>,
     /// Held by the runtime's maintenance thread during a tick and by
@@ -266,6 +270,7 @@ impl DevicePool {
             shut: AtomicBool::new(false),
             torn_down: AtomicBool::new(false),
             flush_wanted: AtomicBool::new(false),
+            quarantined: AtomicBool::new(false),
             idle: Mutex::new(maintain::IdleState::default()),
             maint_gate: Mutex::new(()),
             movable: compact_hooks::MovableSlot::new(gran.max(2 << 20).next_power_of_two()),

@@ -11,7 +11,7 @@ use super::pending::{Pending, Waits};
 use super::{HeapState, PoolShared, Stream, StreamCore};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::Arc;
 
 impl PoolShared {
@@ -121,6 +121,7 @@ impl PoolShared {
         // `event_order.rs`); what is left unmarked is queried below.
         let records = self.pending.take_all();
         self.sweep(&records, &mut progress);
+        let mut groups = Vec::new();
         for p in records {
             match p {
                 Pending::Slots {
@@ -163,22 +164,25 @@ impl PoolShared {
                         });
                     }
                 }
-                Pending::Group { id } => {
-                    let mut h = self.heap.lock();
-                    let done = h
-                        .group_events
-                        .get(&id)
-                        .is_none_or(|w| self.waits_done_in(w, &mut progress));
-                    if done {
-                        h.heap.complete_pending(id);
-                        if let Some(w) = h.group_events.remove(&id) {
-                            self.recycle_events(w);
-                        }
-                        released += 1;
-                    } else {
-                        drop(h);
-                        self.pending.push(Pending::Group { id });
+                Pending::Group { id } => groups.push(id),
+            }
+        }
+        if !groups.is_empty() {
+            // Every heap group of the pass under one lock.
+            let mut h = self.heap.lock();
+            for id in groups {
+                let done = h
+                    .group_events
+                    .get(&id)
+                    .is_none_or(|w| self.waits_done_in(w, &mut progress));
+                if done {
+                    h.heap.complete_pending(id);
+                    if let Some(w) = h.group_events.remove(&id) {
+                        self.recycle_events(w);
                     }
+                    released += 1;
+                } else {
+                    self.pending.push(Pending::Group { id });
                 }
             }
         }
@@ -187,8 +191,12 @@ impl PoolShared {
 
     /// Unmaps aliased granules whose old uses completed.
     pub(super) fn harvest_quarantine(&self, progress: &mut Progress) -> usize {
+        if !self.quarantined.load(Acquire) {
+            return 0;
+        }
         let mut h = self.heap.lock();
         if h.quarantine.is_empty() {
+            self.quarantined.store(false, Release);
             return 0;
         }
         let q = std::mem::take(&mut h.quarantine);
@@ -201,6 +209,9 @@ impl PoolShared {
             } else {
                 h.quarantine.push((w, gs));
             }
+        }
+        if h.quarantine.is_empty() {
+            self.quarantined.store(false, Release);
         }
         released
     }
