@@ -158,6 +158,9 @@ fn published(call: Call) -> CallCost {
         // Estimates: no published figure; once per chunk shared between
         // processes, never in steady state.
         Call::MemExport | Call::MemImport => CallCost::new(10.0, 0.0),
+        // Estimate: a read of the stream's capture state, no device work;
+        // made on allocation slow paths only (see `pool/capture.rs`).
+        Call::StreamIsCapturing => CallCost::new(0.1, 0.0),
     }
 }
 

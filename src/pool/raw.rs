@@ -17,6 +17,9 @@ impl PoolShared {
         self.check_live()?;
         self.check_stream(stream)?;
         let addr = ptr.addr();
+        if let Some(r) = self.private_free(addr, stream) {
+            return r;
+        }
         if let Some(id) = self.slab_holding(addr) {
             let Some(slot) = self.slabs.slot_at(id, addr) else {
                 return Err(Error::UnknownPointer {
@@ -133,6 +136,9 @@ impl PoolShared {
 
     pub(super) fn raw_size(&self, ptr: DevicePtr) -> Option<u64> {
         let addr = ptr.addr();
+        if let Some(n) = self.private_size(addr) {
+            return Some(n);
+        }
         if let Some(id) = self.slab_holding(addr) {
             let slot = self.slabs.slot_at(id, addr)?;
             return self

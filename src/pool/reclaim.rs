@@ -15,17 +15,21 @@ use std::sync::Arc;
 
 impl PoolShared {
     /// Whether everything in `w` completed (never, while a stream is unrecorded).
+    /// No query while a capture is underway: `false` then, unless there
+    /// is nothing to query.
     pub(super) fn waits_done(&self, w: &Waits) -> bool {
         w.unrecorded.is_empty()
-            && w.events
-                .iter()
-                .all(|&e| match self.backend.query_event(self.dev, e) {
-                    Ok(done) => done,
-                    Err(err) => {
+            && w.events.iter().all(|&e| {
+                let q = self.outside_capture(|| self.backend.query_event(self.dev, e));
+                match q {
+                    Some(Ok(done)) => done,
+                    Some(Err(err)) => {
                         tracing::warn!(device = self.dev, "cuEventQuery failed: {err}");
                         false
                     }
-                })
+                    None => false,
+                }
+            })
     }
 
     pub(super) fn recycle_events(&self, w: Waits) {
@@ -42,14 +46,18 @@ impl PoolShared {
             ));
         }
         for &e in &w.events {
-            self.backend
-                .stream_wait_event(self.dev, stream.handle(), e)?;
+            self.outside_capture(|| self.backend.stream_wait_event(self.dev, stream.handle(), e))
+                .ok_or_else(|| self.capture_error("a handover"))??;
         }
         Ok(())
     }
 
     /// Releases every pending record whose events completed, without blocking.
     pub(super) fn harvest(&self) -> usize {
+        // Nothing can be queried during a capture: skip the walk.
+        if self.capture.underway() {
+            return 0;
+        }
         let mut released = self.harvest_quarantine();
         if self.pending.is_empty() {
             return released;
@@ -118,7 +126,7 @@ impl PoolShared {
     /// Unmaps aliased granules whose old uses completed.
     pub(super) fn harvest_quarantine(&self) -> usize {
         let mut h = self.heap.lock();
-        if h.quarantine.is_empty() {
+        if h.quarantine.is_empty() || h.heap.capture_hold {
             return 0;
         }
         let q = std::mem::take(&mut h.quarantine);
@@ -203,6 +211,11 @@ impl PoolShared {
     /// the flush; the last reference may retire a stream here, after its
     /// flush and outside every lock.
     pub(crate) fn flush_all_streams(&self) {
+        // What a flush makes pending cannot be harvested during a capture,
+        // and a capturing stream must not record: wait for its end.
+        if self.capture.underway() {
+            return;
+        }
         let live = self.streams.live();
         for s in &live {
             if let Some(slot) = s.slot() {
@@ -277,6 +290,9 @@ impl PoolShared {
 
     pub(super) fn trim(&self) -> Result<u64> {
         self.check_live()?;
+        if self.capture.underway() {
+            return Err(self.capture_error("trim"));
+        }
         // No maintenance step in between: one that flushed streams after
         // the flush below would leave pending memory behind.
         let _gate = self.maint_gate.lock();
