@@ -394,6 +394,7 @@ fn release_with_live_blocks_and_recorded_frees() {
     // Another stream does not reuse what `s` freed.
     let d = pool.alloc_raw_in_pool(4096, &t, 9).unwrap();
     assert_ne!(d, c);
+    pool.audit().unwrap();
     let reserved = pool.reserved_bytes();
     pool.release_pool(9).unwrap();
     assert!(pool.alloc_raw_in_pool(4096, &s, 9).is_err(), "released");
@@ -433,6 +434,8 @@ fn routing_and_bad_input() {
     );
     pool.begin_allocate_to_pool(3, &t).unwrap();
     assert!(pool.capture_underway());
+    assert!(pool.mark_step().is_err(), "no step mark during a capture");
+    assert!(pool.trim().is_err());
     let p = pool.alloc_raw(1000, &s).unwrap();
     let q = pool.alloc_raw(1000, &t).unwrap();
     assert_eq!(pool.private_pool_figures().1, 2);

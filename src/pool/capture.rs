@@ -24,7 +24,7 @@
 //!
 //! * no event query, event or stream synchronization and no stream wait on
 //!   an event (harvesting, handover and the fallbacks that wait on the host
-//!   are skipped; `trim` and `settle` fail with `CaptureUnderway`);
+//!   are skipped; `trim`, `settle` and `compact` fail with `InvalidArgument`);
 //! * no event record on a capturing stream: a free that would record one
 //!   (a `record_stream`'d block, a stream without a slot, a planned block
 //!   freed off its stream) is *deferred*, as PyTorch defers its events, and

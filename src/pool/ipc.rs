@@ -93,9 +93,13 @@ impl DevicePool {
     }
 
     /// Unmaps an import and frees its address range. Work using it must
-    /// have completed.
+    /// have completed. An error, changing nothing, while a CUDA graph
+    /// capture is underway on the device (no unmap then).
     pub fn close_import(&self, ptr: DevicePtr) -> Result<()> {
         self.shared.check_live()?;
+        if self.shared.capture.underway() {
+            return Err(self.shared.capture_error("close_import"));
+        }
         let imp = self
             .shared
             .imports

@@ -452,6 +452,11 @@ impl DevicePool {
     /// `src/pool/plan/` for the rules.
     pub fn mark_step(&self) -> Result<()> {
         self.shared.check_live()?;
+        // A mark flushes streams and may give arenas back: not during a
+        // CUDA graph capture (see `capture.rs`).
+        if self.shared.capture.underway() {
+            return Err(self.shared.capture_error("mark_step"));
+        }
         self.shared.mark_step();
         Ok(())
     }

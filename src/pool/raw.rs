@@ -17,10 +17,15 @@ impl PoolShared {
         self.check_live()?;
         self.check_stream(stream)?;
         let addr = ptr.addr();
-        if let Some(r) = self.private_free(addr, stream) {
-            return r;
+        let slab = self.slab_holding(addr);
+        // Private segments are heap ranges, never slabs: a small free pays
+        // nothing for them.
+        if slab.is_none() {
+            if let Some(r) = self.private_free(addr, stream) {
+                return r;
+            }
         }
-        if let Some(id) = self.slab_holding(addr) {
+        if let Some(id) = slab {
             let Some(slot) = self.slabs.slot_at(id, addr) else {
                 return Err(Error::UnknownPointer {
                     ptr: addr,
@@ -136,15 +141,15 @@ impl PoolShared {
 
     pub(super) fn raw_size(&self, ptr: DevicePtr) -> Option<u64> {
         let addr = ptr.addr();
-        if let Some(n) = self.private_size(addr) {
-            return Some(n);
-        }
         if let Some(id) = self.slab_holding(addr) {
             let slot = self.slabs.slot_at(id, addr)?;
             return self
                 .slabs
                 .is_raw_live(slot.idx)
                 .then(|| self.slabs.requested(slot.idx));
+        }
+        if let Some(n) = self.private_size(addr) {
+            return Some(n);
         }
         if self.plans.enabled() {
             if let Some(l) = self.plans.live_at(addr) {
