@@ -48,7 +48,7 @@
 //! capturing stream before any allocation slow path ran on it.
 
 use super::stream::Stream;
-use super::{Kind, PoolShared, StreamCore};
+use super::{DevicePool, Kind, PoolShared, StreamCore};
 use crate::error::{Error, Result};
 use crate::ptr::{DevicePtr, StreamHandle};
 use parking_lot::Mutex;
@@ -165,6 +165,21 @@ impl PoolShared {
         c.inflight.fetch_add(1, SeqCst);
         let _g = InFlight(&c.inflight);
         (!c.captures(s)).then(f)
+    }
+
+    /// Whether pending memory may be handed over now: configured, and no
+    /// capture underway (a stream wait on an event is forbidden then).
+    pub(super) fn handover_ok(&self) -> bool {
+        self.cfg.handover && !self.capture.underway()
+    }
+
+    /// An error if a capture is underway: for calls that flush, wait or
+    /// give memory back (`mark_step`, `close_import`, ...).
+    pub(super) fn refuse_during_capture(&self, what: &str) -> Result<()> {
+        if self.capture.underway() {
+            return Err(self.capture_error(what));
+        }
+        Ok(())
     }
 
     /// The error of a call that cannot run during a capture.
@@ -362,7 +377,7 @@ impl PoolShared {
     }
 }
 
-impl super::DevicePool {
+impl DevicePool {
     /// From now on the raw allocations ([`DevicePool::alloc_raw`], the C ABI)
     /// on `stream` go to private pool `pool` (nonzero; made on first use),
     /// until [`DevicePool::end_allocate_to_pool`], and a capture counts as

@@ -97,9 +97,7 @@ impl DevicePool {
     /// capture is underway on the device (no unmap then).
     pub fn close_import(&self, ptr: DevicePtr) -> Result<()> {
         self.shared.check_live()?;
-        if self.shared.capture.underway() {
-            return Err(self.shared.capture_error("close_import"));
-        }
+        self.shared.refuse_during_capture("close_import")?;
         let imp = self
             .shared
             .imports

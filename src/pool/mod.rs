@@ -452,11 +452,7 @@ impl DevicePool {
     /// `src/pool/plan/` for the rules.
     pub fn mark_step(&self) -> Result<()> {
         self.shared.check_live()?;
-        // A mark flushes streams and may give arenas back: not during a
-        // CUDA graph capture (see `capture.rs`).
-        if self.shared.capture.underway() {
-            return Err(self.shared.capture_error("mark_step"));
-        }
+        self.shared.refuse_during_capture("mark_step")?;
         self.shared.mark_step();
         Ok(())
     }
@@ -532,13 +528,8 @@ impl PoolShared {
     // ---- allocation ---------------------------------------------------------------
 
     fn alloc(&self, size: u64, stream: &Stream, raw: bool) -> Result<(DevicePtr, Kind)> {
-        // Raw allocations of a stream routed to a private pool (one relaxed
-        // load when none is).
-        if raw && self.capture.any_routed() {
-            if let Some(pool) = self.capture.route_of(stream) {
-                let p = self.private_alloc(pool, size, stream)?;
-                return Ok((p, Kind::Large { len: 0 }));
-            }
+        if let Some(routed) = self.route_raw(size, stream, raw) {
+            return routed.map(|p| (p, Kind::Large { len: 0 }));
         }
         self.check_live()?;
         self.check_stream(stream)?;
@@ -659,19 +650,12 @@ impl PoolShared {
             .ok_or_else(|| self.capture_error("a host wait"))?
     }
 
-    /// Whether pending memory may be handed over now: configured, and no
-    /// capture underway (a stream wait on an event is forbidden then).
-    fn handover_ok(&self) -> bool {
-        self.cfg.handover && !self.capture.underway()
-    }
-
     /// The last step before out of memory (invariant 3's one exception):
     /// every stream's freed memory to the pending list, then a host wait
     /// for every pending free and quarantined alias, so that all memory not
     /// live is reusable. Counts the wait and its host syncs.
     fn wait_before_oom(&self) {
-        // PyTorch's rule: no host wait (nor anything it enables) while a
-        // capture is underway; the request fails instead.
+        // No host wait during a capture (PyTorch's rule): fail instead.
         if self.capture.underway() {
             return;
         }

@@ -36,7 +36,7 @@
 
 use super::size_class::ALIGN;
 use super::stream::Stream;
-use super::{Kind, LargeLive, PoolShared, StreamCore};
+use super::{DevicePool, Kind, LargeLive, PoolShared, StreamCore};
 use crate::error::{Error, Result};
 use crate::ptr::DevicePtr;
 use parking_lot::Mutex;
@@ -246,6 +246,21 @@ impl PoolShared {
         Ok(DevicePtr(addr))
     }
 
+    /// A raw allocation of a stream routed to a private pool (`None`: not
+    /// routed; one relaxed load when no stream is).
+    pub(super) fn route_raw(
+        &self,
+        size: u64,
+        stream: &Stream,
+        raw: bool,
+    ) -> Option<Result<DevicePtr>> {
+        if !raw || !self.capture.any_routed() {
+            return None;
+        }
+        let pool = self.capture.route_of(stream)?;
+        Some(self.private_alloc(pool, size, stream))
+    }
+
     /// A segment of `seg_len` bytes from the heap: clean memory or new.
     fn take_segment(&self, seg_len: u64, size: u64) -> Result<u64> {
         let mut h = self.heap.lock();
@@ -450,7 +465,7 @@ impl PoolShared {
     }
 }
 
-impl super::DevicePool {
+impl DevicePool {
     /// A raw allocation of `size` bytes on `stream` in private pool `pool`
     /// (nonzero; made on first use). Free it with [`DevicePool::free_raw`]:
     /// it stays in the pool, reusable by later allocations to the same pool
