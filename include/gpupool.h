@@ -408,6 +408,48 @@ int gpupool_mark_step(void);
 int gpupool_trim(void);
 
 /**
+ * From now on, allocations on `stream` of `device` (`gpupool_alloc`,
+ * `gpupool_torch_malloc`) go to private pool `pool` (nonzero; made on
+ * first use) until `gpupool_end_allocate_to_pool(device, pool)`, and a
+ * graph capture counts as underway on `stream`: while any is on the
+ * device, gpupool records no event on a capturing stream (frees that would
+ * are deferred to the end of the capture), queries and waits on no event,
+ * and unmaps and releases no memory. Call it before the capture begins,
+ * once per stream to route. Errors, changing nothing: pool 0, a stream
+ * already routed, a released pool.
+ */
+int gpupool_begin_allocate_to_pool(int device, uint64_t pool, void *stream);
+
+/**
+ * Ends the routing of every stream routed to private pool `pool` of
+ * `device`; their captures are over for gpupool, and once none is left on
+ * the device the deferred frees record their events. Blocks freed in the
+ * pool stay in it. Errors: pool 0, a pool never used on that device.
+ */
+int gpupool_end_allocate_to_pool(int device, uint64_t pool);
+
+/**
+ * The graph of private pool `pool` of `device` is gone: ends its routing
+ * and gives its free memory back to the device pool (reusable by others
+ * after the work of the streams that used it); blocks still live stay the
+ * pool's until freed, then go back. Errors, changing nothing: pool 0, an
+ * unknown pool, a pool released already.
+ */
+int gpupool_release_pool(int device, uint64_t pool);
+
+/**
+ * Allocates `size` bytes on `device` for use on `stream` directly in
+ * private pool `pool` (nonzero; made on first use) into `*out`, whatever
+ * the stream's routing. Free it with `gpupool_free`: it stays in the pool
+ * (reusable by the pool's later allocations on that stream) until
+ * `gpupool_release_pool`. On any failure `*out` is `NULL`.
+ *
+ * # Safety
+ * `out` is NULL or valid for one pointer write.
+ */
+int gpupool_alloc_in_pool(size_t size, int device, void *stream, uint64_t pool, void **out);
+
+/**
  * Like `gpupool_alloc`, under `tag`: the allocation owns whole granules
  * (granule aligned, its size rounded up to the granularity) so that
  * `gpupool_pause(tag, ...)` can give its memory back alone. Free it with

@@ -51,6 +51,10 @@ fn header_names_the_fixed_abi() {
         "void *gpupool_torch_malloc(ssize_t size, int device, void *stream)",
         "void gpupool_torch_free(void *ptr, ssize_t size, int device, void *stream)",
         "GPUPOOL_STATUS_OK = 0",
+        "int gpupool_begin_allocate_to_pool(int device, uint64_t pool, void *stream)",
+        "int gpupool_end_allocate_to_pool(int device, uint64_t pool)",
+        "int gpupool_release_pool(int device, uint64_t pool)",
+        "int gpupool_alloc_in_pool(size_t size, int device, void *stream, uint64_t pool, void **out)",
     ] {
         assert!(h.contains(f), "header lacks `{f}`:\n{h}");
     }

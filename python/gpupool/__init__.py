@@ -79,6 +79,10 @@ __all__ = [
     "record_history",
     "dump_snapshot",
     "trim",
+    "begin_allocate_to_pool",
+    "end_allocate_to_pool",
+    "release_pool",
+    "alloc_in_pool",
     "mark_step",
     "pause",
     "resume",
@@ -290,6 +294,55 @@ def trim() -> None:
     """Gives cached device memory of every device back (waits for pending
     frees; PyTorch's ``empty_cache``)."""
     _check(_lib.lib().gpupool_trim())
+
+
+def _pool_id(pool) -> int:
+    v = _int(pool, "pool", 0, 2**64 - 1)
+    if v == 0:
+        raise ValueError("private pool id 0 is reserved")
+    return v
+
+
+def begin_allocate_to_pool(pool: int, stream: int = 0, device: int = 0) -> None:
+    """From now on, allocations on ``stream`` of ``device`` go to private
+    (CUDA graph) pool ``pool`` (a nonzero id; made on first use) until
+    :func:`end_allocate_to_pool`, and a graph capture counts as underway on
+    ``stream``: gpupool then records no event on a capturing stream (frees
+    that would are deferred to the end), queries no event and unmaps no
+    memory. Call it before the capture begins, once per stream to route
+    (PyTorch's ``beginAllocateToPool``)."""
+    _check(
+        _lib.lib().gpupool_begin_allocate_to_pool(_device(device), _pool_id(pool), _stream(stream))
+    )
+
+
+def end_allocate_to_pool(pool: int, device: int = 0) -> None:
+    """Ends the routing of every stream routed to ``pool`` on ``device``
+    (after the capture ended); deferred frees record their events once no
+    capture is left. Blocks freed in the pool stay in it."""
+    _check(_lib.lib().gpupool_end_allocate_to_pool(_device(device), _pool_id(pool)))
+
+
+def release_pool(pool: int, device: int = 0) -> None:
+    """The graph of ``pool`` is gone: its free memory goes back to the
+    device pool; blocks still live stay the pool's until freed. An unknown
+    or already released pool raises :class:`ValueError`."""
+    _check(_lib.lib().gpupool_release_pool(_device(device), _pool_id(pool)))
+
+
+def alloc_in_pool(size: int, pool: int, device: int = 0, stream: int = 0) -> int:
+    """Allocates ``size`` bytes directly in private pool ``pool`` (freed with
+    :func:`free`, the block stays in the pool until :func:`release_pool`)."""
+    n = _int(size, "size", 0, _PTR_MAX)
+    if n == 0:
+        raise ValueError("size must be at least 1 byte")
+    out = ctypes.c_void_p()
+    _check(
+        _lib.lib().gpupool_alloc_in_pool(
+            n, _device(device), _stream(stream), _pool_id(pool), ctypes.byref(out)
+        )
+    )
+    return int(out.value)
 
 
 def mark_step() -> None:

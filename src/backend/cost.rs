@@ -30,6 +30,7 @@
 //! | `cuEventCreate`, `cuEventDestroy` | 1 | – | estimate: no published figure |
 //! | `cuEventRecord`, `cuStreamWaitEvent` | 1 | – | "on the order of 1 µs" (cudarc PR #335) |
 //! | `cuEventQuery` | 0.5 | – | estimate: a completion-flag read, no published figure |
+//! | `cuStreamIsCapturing` | 0.1 | – | estimate: a read of the stream's capture state; allocation slow paths only |
 //! | `cuEventSynchronize`, `cuStreamSynchronize` | 3 | – | call overhead, stream-to-stream sync ~3 µs (facebookincubator/velox#6096); the wait itself is not modeled |
 //! | `launchMoves`, `cuMemsetD8Async` | 3 | 0 | kernel launch ~3 µs (velox#6096); asynchronous, so the host does not pay per byte |
 //! | `cuMemcpyDtoH`, `cuMemcpyHtoD` | 10 | 41.94 / MiB | ~10 µs fixed (U. Virginia study); 25 GB/s, an estimate for PCIe 4.0 x16 |
@@ -158,6 +159,9 @@ fn published(call: Call) -> CallCost {
         // Estimates: no published figure; once per chunk shared between
         // processes, never in steady state.
         Call::MemExport | Call::MemImport => CallCost::new(10.0, 0.0),
+        // Estimate: a read of the stream's capture state, no device work;
+        // made on allocation slow paths only (see `pool/capture.rs`).
+        Call::StreamIsCapturing => CallCost::new(0.1, 0.0),
     }
 }
 
@@ -541,8 +545,16 @@ mod calibration {
         let s = be.create_stream(dev)?;
         let s2 = be.create_stream(dev)?;
         let measured = (|| -> Result<()> {
-            let (mut ec, mut ed, mut rec, mut q, mut w, mut es, mut ss) =
-                (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+            let (mut ec, mut ed, mut rec, mut q, mut w, mut es, mut ss, mut cap) = (
+                vec![],
+                vec![],
+                vec![],
+                vec![],
+                vec![],
+                vec![],
+                vec![],
+                vec![],
+            );
             for _ in 0..n {
                 let (us, e) = time(|| be.create_event(dev))?;
                 ec.push(us);
@@ -551,6 +563,7 @@ mod calibration {
                 es.push(time(|| be.sync_event(dev, e))?.0);
                 q.push(time(|| be.query_event(dev, e))?.0);
                 ss.push(time(|| be.sync_stream(dev, s2))?.0);
+                cap.push(time(|| be.stream_capturing(dev, s))?.0);
                 ed.push(time(|| be.destroy_event(dev, e))?.0);
             }
             put(Call::EventCreate, CallCost::new(mid(ec), 0.0))?;
@@ -561,6 +574,7 @@ mod calibration {
             // Synchronizing idle work: the call's own overhead.
             put(Call::EventSynchronize, CallCost::new(mid(es), 0.0))?;
             put(Call::StreamSynchronize, CallCost::new(mid(ss), 0.0))?;
+            put(Call::StreamIsCapturing, CallCost::new(mid(cap), 0.0))?;
 
             // Launches and copies on a segment of 4 MiB: host time of the
             // asynchronous launches, and synchronous copies at two sizes.

@@ -75,6 +75,7 @@ calls! {
     MemcpyHtoD => "cuMemcpyHtoD",
     MemExport => "cuMemExportToShareableHandle",
     MemImport => "cuMemImportFromShareableHandle",
+    StreamIsCapturing => "cuStreamIsCapturing",
 }
 
 /// What a call's units measure, for calls whose cost grows with their size.

@@ -217,6 +217,15 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Counted as a host-blocking sync.
     fn sync_stream(&self, dev: usize, stream: StreamHandle) -> Result<()>;
 
+    /// Whether `stream` is capturing a CUDA graph now
+    /// (`cuStreamIsCapturing`; legal during a capture, unlike an event
+    /// query). An invalidated capture counts as capturing: it still ends
+    /// with `cuStreamEndCapture`. The default: never.
+    fn stream_capturing(&self, dev: usize, stream: StreamHandle) -> Result<bool> {
+        let _ = (dev, stream);
+        Ok(false)
+    }
+
     // ---- work -------------------------------------------------------------
 
     /// Enqueues a batch of moves on `stream`, run in order as one operation

@@ -243,6 +243,12 @@ impl DevicePool {
     /// allocations, frees and pins on other threads are never blocked
     /// longer than the planning step.
     pub fn compact(&self, opts: CompactOptions) -> Result<CompactReport> {
+        if self.capture_underway() {
+            return Err(crate::error::Error::InvalidArgument(format!(
+                "compaction while a CUDA graph capture is underway on device {}",
+                self.device()
+            )));
+        }
         run(self.shared(), opts)
     }
 

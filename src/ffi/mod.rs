@@ -91,6 +91,10 @@ mod snapshot;
 mod steps;
 mod trim;
 
+// gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool,
+// gpupool_release_pool, gpupool_alloc_in_pool.
+mod graphs;
+
 // gpupool_alloc_tagged, gpupool_set_thread_tag, gpupool_clear_thread_tag,
 // gpupool_pause, gpupool_resume.
 mod pause;
@@ -111,6 +115,10 @@ mod text;
 mod log;
 
 pub use alloc::{gpupool_alloc, gpupool_free, gpupool_record_stream};
+pub use graphs::{
+    gpupool_alloc_in_pool, gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool,
+    gpupool_release_pool,
+};
 pub use ipc::{gpupool_export, gpupool_import, gpupool_import_close, GpupoolIpcChunk};
 pub use limits::{
     gpupool_abi_version, gpupool_set_memory_limit, gpupool_set_oom_callback, GpupoolOomCallback,

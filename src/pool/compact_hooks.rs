@@ -228,13 +228,15 @@ impl PoolShared {
     }
 
     /// Whether `e` completed, without blocking (an error counts as not yet).
+    /// Never queried while a CUDA graph capture is underway (not yet, then).
     pub(crate) fn event_done(&self, e: EventHandle) -> bool {
-        match self.backend.query_event(self.dev, e) {
-            Ok(done) => done,
-            Err(err) => {
+        match self.outside_capture(|| self.backend.query_event(self.dev, e)) {
+            Some(Ok(done)) => done,
+            Some(Err(err)) => {
                 tracing::warn!(device = self.dev, "cuEventQuery failed: {err}");
                 false
             }
+            None => false,
         }
     }
 

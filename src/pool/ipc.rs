@@ -93,9 +93,11 @@ impl DevicePool {
     }
 
     /// Unmaps an import and frees its address range. Work using it must
-    /// have completed.
+    /// have completed. An error, changing nothing, while a CUDA graph
+    /// capture is underway on the device (no unmap then).
     pub fn close_import(&self, ptr: DevicePtr) -> Result<()> {
         self.shared.check_live()?;
+        self.shared.refuse_during_capture("close_import")?;
         let imp = self
             .shared
             .imports

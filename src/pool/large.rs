@@ -40,6 +40,12 @@ impl PoolShared {
                     return keep(&mut h, t.addr);
                 }
             }
+        }
+        // The slow path from here on (events, growth, stitching): first,
+        // is this stream capturing a graph the pool was not told about?
+        self.detect_capture(stream);
+        {
+            let mut h = self.heap.lock();
             // (The list also reads empty while another thread harvests it:
             // pending memory may be in the heap all the same.)
             if self.pending.is_empty() {
@@ -78,7 +84,7 @@ impl PoolShared {
         self.harvest();
         self.reclaim();
         let mut h = self.heap.lock();
-        if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, self.cfg.handover)? {
+        if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, self.handover_ok())? {
             return keep(&mut h, t.addr);
         }
         drop(h);
@@ -86,7 +92,7 @@ impl PoolShared {
         self.wait_before_oom();
         let mut h = self.heap.lock();
         Self::unpark(&mut h);
-        match self.heap_alloc_or_oom(&mut h, len, stream, self.cfg.handover)? {
+        match self.heap_alloc_or_oom(&mut h, len, stream, self.handover_ok())? {
             Some(t) => keep(&mut h, t.addr),
             None => {
                 drop(h);
@@ -115,7 +121,7 @@ impl PoolShared {
         if let Some(t) = self.handover_run(h, len, stream).transpose()? {
             return Ok(Some(t));
         }
-        self.heap_alloc_or_oom(h, len, stream, self.cfg.handover)
+        self.heap_alloc_or_oom(h, len, stream, self.handover_ok())
     }
 
     /// [`PoolShared::heap_alloc`] for a large block, with out of memory as
@@ -197,7 +203,7 @@ impl PoolShared {
         align: u64,
         stream: &Stream,
     ) -> Option<Result<heap::Taken>> {
-        if !self.cfg.handover {
+        if !self.handover_ok() {
             return None;
         }
         // Groups with a stream whose event could not be recorded cannot be
@@ -224,7 +230,7 @@ impl PoolShared {
         len: u64,
         stream: &Stream,
     ) -> Option<Result<heap::Taken>> {
-        if !self.cfg.handover {
+        if !self.handover_ok() {
             return None;
         }
         let slot = stream.slot()?;

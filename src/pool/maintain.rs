@@ -58,7 +58,14 @@ impl DevicePool {
     /// host) and measures how long the pool has been idle. Meant for one
     /// background thread per pool; calls from several threads are safe but
     /// share one idle clock.
+    ///
+    /// While a CUDA graph capture is underway on the device it does nothing
+    /// but notice the end of captures it detected (see `capture.rs`).
     pub fn maintain(&self) -> MaintainReport {
+        self.shared.poll_detected();
+        if self.shared.capture.underway() {
+            return MaintainReport::default();
+        }
         let flushed = self.shared.flush_streams_if_grown();
         let harvested = self.shared.harvest();
         // The per-thread counter shards only: `stats()` would also walk

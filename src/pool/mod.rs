@@ -21,6 +21,7 @@
 
 mod addr_index;
 mod block;
+mod capture;
 mod compact_hooks;
 mod counted_lock;
 mod event_order;
@@ -40,6 +41,7 @@ mod pause;
 mod peer;
 mod pending;
 mod plan;
+mod private_pool;
 mod raw;
 mod reclaim;
 mod release;
@@ -162,6 +164,10 @@ pub(crate) struct PoolShared {
     tags: pause::TagRegistry,
     /// Memory imported from other processes (`ipc.rs`).
     imports: ipc::Imports,
+    /// CUDA graph captures underway and the frees they defer (`capture.rs`).
+    capture: capture::Captures,
+    /// Private pools: the memory of CUDA graphs (`private_pool.rs`).
+    private: private_pool::PrivatePools,
 }
 
 thread_local! {
@@ -278,6 +284,8 @@ impl DevicePool {
             plans: plan::Plans::new(),
             tags: pause::TagRegistry::default(),
             imports: ipc::Imports::default(),
+            capture: capture::Captures::default(),
+            private: private_pool::PrivatePools::default(),
             backend,
             cfg,
             info,
@@ -451,6 +459,7 @@ impl DevicePool {
     /// `src/pool/plan/` for the rules.
     pub fn mark_step(&self) -> Result<()> {
         self.shared.check_live()?;
+        self.shared.refuse_during_capture("mark_step")?;
         self.shared.mark_step();
         Ok(())
     }
@@ -526,6 +535,9 @@ impl PoolShared {
     // ---- allocation ---------------------------------------------------------------
 
     fn alloc(&self, size: u64, stream: &Stream, raw: bool) -> Result<(DevicePtr, Kind)> {
+        if let Some(routed) = self.route_raw(size, stream, raw) {
+            return routed.map(|p| (p, Kind::Large { len: 0 }));
+        }
         self.check_live()?;
         self.check_stream(stream)?;
         self.check_size(size)?;
@@ -586,6 +598,7 @@ impl PoolShared {
 
     fn alloc_small_slow(&self, class: usize, size: u64, stream: &Stream) -> Result<u32> {
         let slot = stream.slot().map(usize::from);
+        self.detect_capture(stream);
         self.harvest();
         if let Some(i) = self.slabs.pop(class, slot) {
             return Ok(i);
@@ -604,7 +617,7 @@ impl PoolShared {
         if let Some(i) = self.slabs.pop(class, slot) {
             return Ok(i);
         }
-        if self.cfg.handover {
+        if self.handover_ok() {
             if let Some(i) = self.handover_slots(class, stream) {
                 return Ok(i);
             }
@@ -628,16 +641,20 @@ impl PoolShared {
         }
     }
 
-    /// `cuEventSynchronize`, counted in this thread's [`HOST_SYNCS`].
+    /// `cuEventSynchronize`, counted in this thread's [`HOST_SYNCS`]. An
+    /// error while a capture is underway (see `capture.rs`).
     pub(crate) fn host_sync_event(&self, e: EventHandle) -> Result<()> {
         HOST_SYNCS.with(|c| c.set(c.get() + 1));
-        self.backend.sync_event(self.dev, e)
+        self.outside_capture(|| self.backend.sync_event(self.dev, e))
+            .ok_or_else(|| self.capture_error("a host wait"))?
     }
 
-    /// `cuStreamSynchronize`, counted in this thread's [`HOST_SYNCS`].
+    /// `cuStreamSynchronize`, counted in this thread's [`HOST_SYNCS`]. An
+    /// error while a capture is underway.
     pub(crate) fn host_sync_stream(&self, s: StreamHandle) -> Result<()> {
         HOST_SYNCS.with(|c| c.set(c.get() + 1));
-        self.backend.sync_stream(self.dev, s)
+        self.outside_capture(|| self.backend.sync_stream(self.dev, s))
+            .ok_or_else(|| self.capture_error("a host wait"))?
     }
 
     /// The last step before out of memory (invariant 3's one exception):
@@ -645,6 +662,10 @@ impl PoolShared {
     /// for every pending free and quarantined alias, so that all memory not
     /// live is reusable. Counts the wait and its host syncs.
     fn wait_before_oom(&self) {
+        // No host wait during a capture (PyTorch's rule): fail instead.
+        if self.capture.underway() {
+            return;
+        }
         let before = HOST_SYNCS.with(|c| c.get());
         self.plan_release_idle();
         self.flush_all_streams();
@@ -675,7 +696,7 @@ impl PoolShared {
             Some(t) => t,
             None => {
                 Self::unpark(&mut h);
-                self.heap_alloc(&mut h, sb, sb, stream, self.cfg.handover)?
+                self.heap_alloc(&mut h, sb, sb, stream, self.handover_ok())?
             }
         };
         let reuse = h.free_slab_ids[class].pop();
@@ -752,6 +773,9 @@ impl PoolShared {
         stream: &Stream,
         extra: &[Arc<StreamCore>],
     ) {
+        if self.defer_free(ptr, kind, requested, stream, extra) {
+            return;
+        }
         if self.recording.load(Relaxed) {
             self.record(
                 HistoryAction::FreeRequested,
@@ -864,7 +888,11 @@ impl PoolShared {
             Some(e) => e,
             None => self.backend.create_event(self.dev)?,
         };
-        if let Err(e) = self.backend.record_event(self.dev, ev, s) {
+        // Never on a stream the pool knows captures (see `capture.rs`).
+        let r = self
+            .unless_capturing(s, || self.backend.record_event(self.dev, ev, s))
+            .unwrap_or_else(|| Err(self.capture_error("an event record on a capturing stream")));
+        if let Err(e) = r {
             self.event_pool.lock().push(ev);
             return Err(e);
         }

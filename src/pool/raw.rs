@@ -17,7 +17,15 @@ impl PoolShared {
         self.check_live()?;
         self.check_stream(stream)?;
         let addr = ptr.addr();
-        if let Some(id) = self.slab_holding(addr) {
+        let slab = self.slab_holding(addr);
+        // Private segments are heap ranges, never slabs: a small free pays
+        // nothing for them.
+        if slab.is_none() {
+            if let Some(r) = self.private_free(addr, stream) {
+                return r;
+            }
+        }
+        if let Some(id) = slab {
             let Some(slot) = self.slabs.slot_at(id, addr) else {
                 return Err(Error::UnknownPointer {
                     ptr: addr,
@@ -139,6 +147,9 @@ impl PoolShared {
                 .slabs
                 .is_raw_live(slot.idx)
                 .then(|| self.slabs.requested(slot.idx));
+        }
+        if let Some(n) = self.private_size(addr) {
+            return Some(n);
         }
         if self.plans.enabled() {
             if let Some(l) = self.plans.live_at(addr) {

@@ -10,13 +10,15 @@ use super::heap::Tag;
 use super::pending::{Pending, Waits};
 use super::{HeapState, PoolShared, Stream, StreamCore};
 use crate::error::{Error, Result};
+use crate::ptr::EventHandle;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::Arc;
 
 impl PoolShared {
     /// Whether everything in `w` completed (never, while a stream is
-    /// unrecorded). Queries only the events that its streams' order does
+    /// unrecorded; not while a capture is underway, unless nothing needs
+    /// a query). Queries only the events that its streams' order does
     /// not already settle (see `event_order.rs`); `progress` carries what
     /// this pass found pending.
     pub(super) fn waits_done_in(&self, w: &Waits, progress: &mut Progress) -> bool {
@@ -31,13 +33,7 @@ impl PoolShared {
             if mark.is_some_and(|m| progress.known_pending(m)) {
                 return false;
             }
-            let done = match self.backend.query_event(self.dev, e) {
-                Ok(done) => done,
-                Err(err) => {
-                    tracing::warn!(device = self.dev, "cuEventQuery failed: {err}");
-                    false
-                }
-            };
+            let done = self.query_outside_capture(e);
             if let Some(m) = mark {
                 if done {
                     m.completed();
@@ -76,13 +72,20 @@ impl PoolShared {
                 }
             }
         }
-        sweep.settle(progress, |e| match self.backend.query_event(self.dev, e) {
-            Ok(done) => done,
-            Err(err) => {
+        sweep.settle(progress, |e| self.query_outside_capture(e));
+    }
+
+    /// Whether event `e` completed; no query while a capture is underway
+    /// (`false` then) and an error counts as not yet.
+    fn query_outside_capture(&self, e: EventHandle) -> bool {
+        match self.outside_capture(|| self.backend.query_event(self.dev, e)) {
+            Some(Ok(done)) => done,
+            Some(Err(err)) => {
                 tracing::warn!(device = self.dev, "cuEventQuery failed: {err}");
                 false
             }
-        });
+            None => false,
+        }
     }
 
     /// [`PoolShared::waits_done_in`] on its own.
@@ -104,14 +107,18 @@ impl PoolShared {
             ));
         }
         for &e in &w.events {
-            self.backend
-                .stream_wait_event(self.dev, stream.handle(), e)?;
+            self.outside_capture(|| self.backend.stream_wait_event(self.dev, stream.handle(), e))
+                .ok_or_else(|| self.capture_error("a handover"))??;
         }
         Ok(())
     }
 
     /// Releases every pending record whose events completed, without blocking.
     pub(super) fn harvest(&self) -> usize {
+        // Nothing can be queried during a capture: skip the walk.
+        if self.capture.underway() {
+            return 0;
+        }
         let mut progress = Progress::default();
         let mut released = self.harvest_quarantine(&mut progress);
         if self.pending.is_empty() {
@@ -195,6 +202,9 @@ impl PoolShared {
             return 0;
         }
         let mut h = self.heap.lock();
+        if h.heap.capture_hold {
+            return 0;
+        }
         if h.quarantine.is_empty() {
             self.quarantined.store(false, Release);
             return 0;
@@ -284,6 +294,11 @@ impl PoolShared {
     /// the flush; the last reference may retire a stream here, after its
     /// flush and outside every lock.
     pub(crate) fn flush_all_streams(&self) {
+        // What a flush makes pending cannot be harvested during a capture,
+        // and a capturing stream must not record: wait for its end.
+        if self.capture.underway() {
+            return;
+        }
         let live = self.streams.live();
         for s in &live {
             if let Some(slot) = s.slot() {
@@ -358,6 +373,9 @@ impl PoolShared {
 
     pub(super) fn trim(&self) -> Result<u64> {
         self.check_live()?;
+        if self.capture.underway() {
+            return Err(self.capture_error("trim"));
+        }
         // No maintenance step in between: one that flushed streams after
         // the flush below would leave pending memory behind.
         let _gate = self.maint_gate.lock();

@@ -20,7 +20,7 @@ impl DevicePool {
     /// bytes given back.
     pub fn release_cache(&self) -> u64 {
         let sh = &self.shared;
-        if sh.check_live().is_err() {
+        if sh.check_live().is_err() || sh.capture.underway() {
             return 0;
         }
         super::magazine::flush_for(sh);
@@ -38,6 +38,9 @@ impl DevicePool {
     pub fn settle(&self) -> crate::error::Result<()> {
         let sh = &self.shared;
         sh.check_live()?;
+        if sh.capture.underway() {
+            return Err(sh.capture_error("settle"));
+        }
         super::magazine::flush_for(sh);
         sh.flush_all_streams();
         sh.sync_pending()?;

@@ -72,8 +72,12 @@ impl PoolShared {
         for e in std::mem::take(&mut *self.event_pool.lock()) {
             let _ = self.backend.destroy_event(self.dev, e);
         }
+        let captured = self.capture.clear();
+        let private = self.private.clear();
         let killed = self.streams.kill_owned();
         // Dropped last: no core of an owned stream calls the driver now.
+        drop(captured);
+        drop(private);
         drop(recorded);
         drop(tagged);
         tracing::debug!(

@@ -394,6 +394,49 @@ int main(int argc, char **argv) {
         same_state("large double free");
     }
 
+    /* ---- CUDA graph pools: bad input changes nothing ------------------------------ */
+    BAD(gpupool_begin_allocate_to_pool(0, 0, s0), GPUPOOL_STATUS_INVALID_ARGUMENT, "reserved");
+    BAD(gpupool_begin_allocate_to_pool(2, 5, s0), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 2");
+    BAD(gpupool_begin_allocate_to_pool(0, 5, s1), GPUPOOL_STATUS_INVALID_HANDLE, "belongs to device 1");
+    BAD(gpupool_begin_allocate_to_pool(0, 5, (void *)0x7777), GPUPOOL_STATUS_INVALID_HANDLE, "unknown stream");
+    BAD(gpupool_end_allocate_to_pool(0, 0), GPUPOOL_STATUS_INVALID_ARGUMENT, "reserved");
+    BAD(gpupool_end_allocate_to_pool(0, 5), GPUPOOL_STATUS_INVALID_ARGUMENT, "unknown private pool");
+    BAD(gpupool_end_allocate_to_pool(-1, 5), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device -1");
+    BAD(gpupool_release_pool(0, 0), GPUPOOL_STATUS_INVALID_ARGUMENT, "reserved");
+    BAD(gpupool_release_pool(0, 5), GPUPOOL_STATUS_INVALID_ARGUMENT, "unknown private pool");
+    BAD(gpupool_release_pool(3, 5), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 3");
+    BAD(gpupool_alloc_in_pool(64, 0, s0, 5, NULL), GPUPOOL_STATUS_NULL_ARGUMENT, "`out` is NULL");
+    BAD(gpupool_alloc_in_pool(64, 0, s0, 0, &q), GPUPOOL_STATUS_INVALID_ARGUMENT, "reserved");
+    CHECK(q == NULL, "out set on failure");
+    BAD(gpupool_alloc_in_pool(0, 0, s0, 5, &q), GPUPOOL_STATUS_INVALID_SIZE, "zero-byte");
+    BAD(gpupool_alloc_in_pool(64, 4, s0, 5, &q), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 4");
+    BAD(gpupool_alloc_in_pool(64, 0, s1, 5, &q), GPUPOOL_STATUS_INVALID_HANDLE, "belongs to device 1");
+    /* Routing: allocations on s0 go to private pool 5 until the end; a
+     * block freed there is reused there only. */
+    {
+        void *g1 = NULL, *g2 = NULL, *g3 = NULL, *g4 = NULL;
+        EXPECT(gpupool_begin_allocate_to_pool(0, 5, s0), GPUPOOL_STATUS_OK, "");
+        BAD(gpupool_begin_allocate_to_pool(0, 6, s0), GPUPOOL_STATUS_INVALID_ARGUMENT, "routed");
+        EXPECT(gpupool_alloc(4096, 0, s0, &g1), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_free(g1, 0, s0), GPUPOOL_STATUS_OK, "");
+        BAD(gpupool_free(g1, 0, s0), GPUPOOL_STATUS_DOUBLE_FREE, "double free");
+        EXPECT(gpupool_alloc(4096, 0, s0, &g2), GPUPOOL_STATUS_OK, "");
+        CHECK(g2 == g1, "a private block is reused in its pool: %p vs %p", g2, g1);
+        EXPECT(gpupool_end_allocate_to_pool(0, 5), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_alloc(4096, 0, s0, &g3), GPUPOOL_STATUS_OK, "");
+        CHECK(g3 != g2, "routing ended");
+        EXPECT(gpupool_alloc_in_pool(8192, 0, s0, 5, &g4), GPUPOOL_STATUS_OK, "");
+        CHECK(g4 != NULL && g4 != g2, "alloc_in_pool %p", g4);
+        EXPECT(gpupool_release_pool(0, 5), GPUPOOL_STATUS_OK, "");
+        BAD(gpupool_release_pool(0, 5), GPUPOOL_STATUS_INVALID_ARGUMENT, "released already");
+        BAD(gpupool_begin_allocate_to_pool(0, 5, s0), GPUPOOL_STATUS_INVALID_ARGUMENT, "released");
+        EXPECT(gpupool_free(g2, 0, s0), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_free(g4, 0, s0), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_free(g3, 0, s0), GPUPOOL_STATUS_OK, "");
+        /* Its last block freed, the released pool is gone. */
+        BAD(gpupool_release_pool(0, 5), GPUPOOL_STATUS_INVALID_ARGUMENT, "unknown private pool");
+    }
+
     /* Out of memory: 2 x 200 MiB on a 256 MiB device. */
     EXPECT(gpupool_alloc(200 * MIB, 1, s1, &p), GPUPOOL_STATUS_OK, "");
     EXPECT(gpupool_alloc(200 * MIB, 1, s1, &q), GPUPOOL_STATUS_OUT_OF_MEMORY, "requested");

@@ -69,6 +69,8 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuDriverGetVersion",
     "cuMemExportToShareableHandle",
     "cuMemImportFromShareableHandle",
+    "cuStreamIsCapturing",
+    "cuThreadExchangeStreamCaptureMode",
 ];
 
 /// The driver's name for `r` (`CUDA_ERROR_OUT_OF_MEMORY`), or its Debug form

@@ -121,6 +121,7 @@ pub(super) fn can_access_peer(be: &CudaBackend, dev: usize, peer: usize) -> Resu
 
 pub(super) fn create_chunk(be: &CudaBackend, dev: usize, bytes: u64) -> Result<ChunkHandle> {
     let d = be.enter(dev)?;
+    let _relaxed = super::streams::RelaxedCapture::enter();
     CudaBackend::require_vmm(dev, &d)?;
     let mut prop = pinned_prop(d.cu);
     // Shareable with other processes (`export_chunk`) where supported.
@@ -206,6 +207,7 @@ pub(super) fn import_chunk(
 
 pub(super) fn alloc_segment(be: &CudaBackend, dev: usize, bytes: u64) -> Result<DevicePtr> {
     let d = be.enter(dev)?;
+    let _relaxed = super::streams::RelaxedCapture::enter();
     let mut p: sys::CUdeviceptr = 0;
     be.counters.count_units(Call::MemAlloc, 1, bytes);
     // SAFETY: `p` is a valid out-pointer.
@@ -254,6 +256,7 @@ pub(super) fn map(
 ) -> Result<()> {
     let d = be.enter(dev)?;
     CudaBackend::require_vmm(dev, &d)?;
+    let _relaxed = super::streams::RelaxedCapture::enter();
     be.counters.count(Call::Map);
     // SAFETY: maps device memory into device address space; the driver
     // validates the range, handle and offset.
@@ -283,6 +286,7 @@ pub(super) fn map_run(
 ) -> Result<()> {
     let d = be.enter(dev)?;
     CudaBackend::require_vmm(dev, &d)?;
+    let _relaxed = super::streams::RelaxedCapture::enter();
     // The first `n` chunks of the run were mapped by this call.
     let undo = |n: usize| {
         let _ = be.unmap_run(dev, va, gran, n as u64);

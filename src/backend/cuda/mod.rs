@@ -302,6 +302,10 @@ impl Backend for CudaBackend {
         streams::sync_stream(self, dev, stream)
     }
 
+    fn stream_capturing(&self, dev: usize, stream: StreamHandle) -> Result<bool> {
+        streams::stream_capturing(self, dev, stream)
+    }
+
     /// One launch of the compaction kernel per conflict-free group of
     /// moves (see [`kernel`]), or, where the kernel cannot be loaded, one
     /// `cuMemcpyDtoDAsync` per move (more for a move that overlaps itself),

@@ -139,3 +139,48 @@ pub(super) fn sync_stream(be: &CudaBackend, dev: usize, stream: StreamHandle) ->
         sys::cuStreamSynchronize(stream_of(stream))
     })
 }
+
+/// `cuStreamIsCapturing`: whether `stream` captures a graph (an
+/// invalidated capture counts: it still has to end).
+pub(super) fn stream_capturing(be: &CudaBackend, dev: usize, stream: StreamHandle) -> Result<bool> {
+    let _cx = be.enter(dev)?;
+    be.counters.count(Call::StreamIsCapturing);
+    let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: `st` is a valid out-pointer; the driver validates the handle.
+    check("cuStreamIsCapturing", unsafe {
+        sys::cuStreamIsCapturing(stream_of(stream), &mut st)
+    })?;
+    Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+/// The calling thread in relaxed stream-capture mode while this lives
+/// (`cuThreadExchangeStreamCaptureMode`), as PyTorch's allocator makes
+/// `cudaMalloc` during a capture: creating and mapping new memory is not a
+/// stream operation, but a global-mode capture on any thread forbids such
+/// "potentially unsafe" calls on every thread that has not relaxed. The
+/// previous mode comes back on drop. Not counted: a thread-local switch,
+/// no device work. A failure (an old driver) leaves the mode as it was.
+pub(super) struct RelaxedCapture {
+    prev: Option<sys::CUstreamCaptureMode>,
+}
+
+impl RelaxedCapture {
+    pub(super) fn enter() -> RelaxedCapture {
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: `mode` is a valid in/out pointer for the call.
+        let r = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        RelaxedCapture {
+            prev: (r == sys::CUresult::CUDA_SUCCESS).then_some(mode),
+        }
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        if let Some(mut mode) = self.prev {
+            // SAFETY: `mode` is a valid in/out pointer; it restores the
+            // mode `enter` swapped out on this same thread.
+            let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
+    }
+}

@@ -26,6 +26,7 @@
 //! (gpupool only uses non-blocking streams), and kernels from racing streams
 //! race on host memory as they would on a device.
 
+mod capture;
 mod memory;
 mod stream;
 
@@ -34,6 +35,7 @@ pub use stream::{count_mismatches, fill_pattern, pattern_byte, KernelOp, VerifyR
 use super::{Backend, BackendCounters, Call, CallCounters, DeviceInfo, Move};
 use crate::error::{Error, Result};
 use crate::ptr::{ChunkHandle, DevicePtr, EventHandle, StreamHandle};
+use capture::Checked;
 use memory::DeviceMemory;
 use parking_lot::{Mutex, RwLock};
 use std::any::Any;
@@ -125,6 +127,8 @@ struct SimDevice {
     faults: Faults,
     integrity_errors: AtomicU64,
     device_faults: AtomicU64,
+    /// Graph captures on the device's streams (`capture.rs`).
+    capture: capture::CaptureState,
 }
 
 /// State shared with the stream workers.
@@ -192,6 +196,7 @@ impl SimBackend {
                     },
                     integrity_errors: AtomicU64::new(0),
                     device_faults: AtomicU64::new(0),
+                    capture: capture::CaptureState::default(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -678,6 +683,7 @@ impl Backend for SimBackend {
 
     fn release_chunk(&self, dev: usize, chunk: ChunkHandle) -> Result<()> {
         self.counters.count(Call::MemRelease);
+        self.capture_check(dev, "cuMemRelease", Checked::Release);
         self.dev(dev)?.mem.write().release_chunk(chunk.0)
     }
 
@@ -713,6 +719,7 @@ impl Backend for SimBackend {
 
     fn free_segment(&self, dev: usize, ptr: DevicePtr) -> Result<()> {
         self.counters.count(Call::MemFree);
+        self.capture_check(dev, "cuMemFree", Checked::Release);
         self.dev(dev)?.mem.write().free_segment(ptr.0)
     }
 
@@ -723,6 +730,7 @@ impl Backend for SimBackend {
 
     fn free_va(&self, dev: usize, base: DevicePtr, bytes: u64) -> Result<()> {
         self.counters.count(Call::AddressFree);
+        self.capture_check(dev, "cuMemAddressFree", Checked::Release);
         self.dev(dev)?.mem.write().free_va(base.0, bytes)
     }
 
@@ -764,6 +772,7 @@ impl Backend for SimBackend {
     fn unmap_run(&self, dev: usize, va: DevicePtr, gran: u64, n: u64) -> Result<()> {
         let d = self.dev(dev)?;
         self.counters.count_n(Call::Unmap, n);
+        self.capture_check(dev, "cuMemUnmap", Checked::Release);
         // The memory table checks the whole run first (a set of whole
         // mappings) and then removes it, as the per-mapping calls would.
         d.mem.write().unmap(va.0, n * gran)
@@ -771,6 +780,7 @@ impl Backend for SimBackend {
 
     fn unmap(&self, dev: usize, va: DevicePtr, bytes: u64) -> Result<()> {
         self.counters.count(Call::Unmap);
+        self.capture_check(dev, "cuMemUnmap", Checked::Release);
         self.dev(dev)?.mem.write().unmap(va.0, bytes)
     }
 
@@ -803,6 +813,7 @@ impl Backend for SimBackend {
         }
         let s = self.stream(dev, stream)?;
         self.streams.write().remove(&stream.0);
+        self.dev(dev)?.capture.forget(&s);
         s.close();
         Ok(())
     }
@@ -826,6 +837,7 @@ impl Backend for SimBackend {
         self.counters.count(Call::EventRecord);
         let ev = self.event(dev, event)?;
         let st = self.stream(dev, stream)?;
+        self.capture_check(dev, "cuEventRecord", Checked::Record(event, &st));
         self.event_fault(dev)?;
         let seq = ev.begin_record();
         self.push_op(dev, &st, Op::Complete(ev, seq))
@@ -834,6 +846,7 @@ impl Backend for SimBackend {
     fn query_event(&self, dev: usize, event: EventHandle) -> Result<bool> {
         self.counters.count(Call::EventQuery);
         let ev = self.event(dev, event)?;
+        self.capture_check(dev, "cuEventQuery", Checked::QueryEvent(event));
         self.event_fault(dev)?;
         Ok(ev.is_complete())
     }
@@ -842,6 +855,7 @@ impl Backend for SimBackend {
         self.counters.count(Call::EventSynchronize);
         self.counters.count_host_sync(dev);
         let ev = self.event(dev, event)?;
+        self.capture_check(dev, "cuEventSynchronize", Checked::QueryEvent(event));
         ev.wait_for(ev.current());
         Ok(())
     }
@@ -855,6 +869,7 @@ impl Backend for SimBackend {
         self.counters.count(Call::StreamWaitEvent);
         let ev = self.event(dev, event)?;
         let st = self.stream(dev, stream)?;
+        self.capture_check(dev, "cuStreamWaitEvent", Checked::OnStream(&st));
         self.nth_event_fault(dev)?;
         let seq = ev.current();
         self.push_op(dev, &st, Op::Wait(ev, seq))
@@ -864,6 +879,7 @@ impl Backend for SimBackend {
         self.counters.count(Call::StreamSynchronize);
         self.counters.count_host_sync(dev);
         let st = self.stream(dev, stream)?;
+        self.capture_check(dev, "cuStreamSynchronize", Checked::SyncStream);
         let marker = Arc::new(SimEvent::new(dev));
         let seq = marker.begin_record();
         self.push_op(dev, &st, Op::Marker(marker.clone(), seq))?;
@@ -874,7 +890,9 @@ impl Backend for SimBackend {
     fn enqueue_moves(&self, dev: usize, stream: StreamHandle, moves: &[Move]) -> Result<()> {
         let moved = moves.iter().map(|m| m.len).sum();
         self.counters.count_units(Call::LaunchMoves, 1, moved);
-        self.push_op(dev, &self.stream(dev, stream)?, Op::Moves(moves.to_vec()))
+        let st = self.stream(dev, stream)?;
+        self.capture_check(dev, "launchMoves", Checked::OnStream(&st));
+        self.push_op(dev, &st, Op::Moves(moves.to_vec()))
     }
 
     fn enqueue_fill(
@@ -886,9 +904,11 @@ impl Backend for SimBackend {
         value: u8,
     ) -> Result<()> {
         self.counters.count_units(Call::MemsetAsync, 1, bytes);
+        let st = self.stream(dev, stream)?;
+        self.capture_check(dev, "cuMemsetD8Async", Checked::OnStream(&st));
         self.push_op(
             dev,
-            &self.stream(dev, stream)?,
+            &st,
             Op::Fill {
                 ptr: ptr.0,
                 len: bytes,
@@ -925,6 +945,10 @@ impl Backend for SimBackend {
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.0 as *mut u8, src.len()) };
         }
         Ok(())
+    }
+
+    fn stream_capturing(&self, dev: usize, stream: StreamHandle) -> Result<bool> {
+        self.capturing_now(dev, stream)
     }
 
     fn counters(&self) -> BackendCounters {

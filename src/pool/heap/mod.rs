@@ -144,6 +144,11 @@ pub(crate) struct Heap {
     phys: Physical,
     by_addr: AddrIndex<Tag>,
     by_tag: FxHashMap<Tag, SizeIndex>,
+    /// Set while a CUDA graph capture is underway on the device (see
+    /// `pool/capture.rs`): no unmap, no release of physical memory
+    /// (stitching steals nothing; idle release, trimming, quarantine and
+    /// pausing wait). Read and written under the heap lock.
+    pub(crate) capture_hold: bool,
     /// No request is shorter: the `Clean` and `Dirty` size indexes count
     /// free ranges under it without storing them (see `size_index.rs`).
     /// `Pending` ones store every range (harvesting walks them).
@@ -237,6 +242,7 @@ impl Heap {
             },
             by_addr: AddrIndex::default(),
             by_tag: FxHashMap::default(),
+            capture_hold: false,
             request_floor,
             allocated: FxHashMap::default(),
             owner_log: Vec::with_capacity(OWNER_LOG),

@@ -45,6 +45,11 @@ impl Heap {
     /// fails, the granules unmapped so far are mapped again and the error
     /// returned. Returns the bytes of physical memory given back.
     pub(crate) fn pause_range(&mut self, addr: u64, len: u64) -> Result<u64> {
+        if self.capture_hold {
+            return Err(crate::error::Error::InvalidArgument(
+                "cannot pause while a CUDA graph capture is underway".into(),
+            ));
+        }
         let (g0, n) = self.whole_granules(addr, len)?;
         if self.is_paused(addr) {
             return Ok(0);

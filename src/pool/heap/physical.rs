@@ -342,6 +342,9 @@ impl Heap {
     /// (segment mode) every wholly free clean segment to the device. Returns
     /// the bytes released.
     pub(crate) fn release_cached(&mut self) -> u64 {
+        if self.capture_hold {
+            return 0;
+        }
         let before = self.reserved;
         match &self.phys {
             Physical::Vmm { idle, .. } => {
@@ -415,6 +418,9 @@ impl Heap {
     /// lying wholly inside `[lo, hi)` (the rest of the cache stays).
     /// Returns the bytes released.
     pub(crate) fn release_range(&mut self, lo: u64, hi: u64) -> u64 {
+        if self.capture_hold {
+            return 0;
+        }
         let Physical::Vmm { base, idle, .. } = &self.phys else {
             return 0;
         };

@@ -277,6 +277,9 @@ impl Heap {
     /// covered the previous one take its kind without a lookup, a word of
     /// the idle set at a time.
     pub(super) fn stealable(&self, ctx: StealCtx, want: usize) -> Vec<(u32, u32, bool)> {
+        if self.capture_hold {
+            return Vec::new();
+        }
         let Physical::Vmm { idle, base, .. } = &self.phys else {
             return Vec::new();
         };

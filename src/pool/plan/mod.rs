@@ -317,7 +317,7 @@ impl Plans {
     }
 
     /// The owner of the arena holding `addr`, if any.
-    fn owner_of(&self, addr: u64) -> Option<u16> {
+    pub(crate) fn owner_of(&self, addr: u64) -> Option<u16> {
         let idx = self.index.read();
         idx.range(..=addr)
             .next_back()
