@@ -39,6 +39,8 @@ fn harvest_queries_a_few_events_per_stream_not_one_per_record() {
         dev.record_stream_raw(p, &b).unwrap();
         dev.free_raw(p, &a).unwrap();
     }
+    // Stream a's events have completed (its worker ran them); b's wait.
+    be.sync_stream(0, a.handle()).unwrap();
     let queries = || be.counters().get(Call::EventQuery);
     let q0 = queries();
     let released = dev.harvest();
