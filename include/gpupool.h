@@ -596,7 +596,9 @@ int gpupool_selftest_panic(void);
  * failure (with `gpupool_last_error` set and the message also written to
  * stderr, since PyTorch does not check for `NULL`). The first call
  * initializes gpupool from `GPUPOOL_CONF` when `gpupool_init` was not
- * called; after `gpupool_shutdown` it fails.
+ * called, on CUDA unless `GPUPOOL_CONF` says `backend=sim` (without a
+ * driver that first call fails with `GPUPOOL_STATUS_NO_DRIVER`, never
+ * falling back to the simulator); after `gpupool_shutdown` it fails.
  */
 void *gpupool_torch_malloc(ssize_t size, int device, void *stream);
 

@@ -384,3 +384,30 @@ def test_torch_patch_stats_answers_with_gpupool(pool, monkeypatch):
     finally:
         gt.unpatch_torch_stats()
     assert fake.cuda.memory_stats is refuse and fake.cuda.memory.max_memory_allocated is refuse
+
+
+def test_torch_hooks_never_start_the_simulator_unasked():
+    """The hooks' implicit start (GPUPOOL_CONF without a backend) is CUDA:
+    where there is no driver, the first malloc fails and says so."""
+    import os
+    import subprocess
+
+    code = (
+        "import ctypes, gpupool._lib as L\n"
+        "lib = L.lib()\n"
+        "lib.gpupool_torch_malloc.restype = ctypes.c_void_p\n"
+        "lib.gpupool_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]\n"
+        "p = lib.gpupool_torch_malloc(4096, 0, None)\n"
+        "err = lib.gpupool_last_error().decode()\n"
+        "print('PTR' if p else 'NULL', err)\n"
+    )
+    env = dict(os.environ)
+    env["GPUPOOL_CONF"] = "devices=1,capacity=64MiB"  # no backend named
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    have_driver = os.path.exists("/dev/nvidiactl")
+    if have_driver:
+        assert out.startswith("PTR"), out  # device memory from CUDA
+    else:
+        assert out.startswith("NULL"), out
+        assert "driver" in out.lower() or "cuda" in out.lower(), out

@@ -183,6 +183,10 @@ fn init_from(conf: Option<&str>) -> FResult<()> {
         Some(s) => PoolConfig::parse(s)?,
         None => PoolConfig::from_env()?,
     };
+    init_with(cfg)
+}
+
+fn init_with(cfg: PoolConfig) -> FResult<()> {
     install_logging()?;
     let mut g = write_global("gpupool_init")?;
     if let Global::Live(_) = &*g {
@@ -214,7 +218,10 @@ fn init_from(conf: Option<&str>) -> FResult<()> {
 }
 
 /// Initializes from `GPUPOOL_CONF` unless a runtime was started (or shut
-/// down): the PyTorch hooks' implicit `gpupool_init`.
+/// down): the PyTorch hooks' implicit `gpupool_init`. Where `GPUPOOL_CONF`
+/// names no backend (or `auto`), the backend is CUDA: memory handed to
+/// PyTorch is device memory or an error, never the simulator's host
+/// memory, unless `backend=sim` is asked for by name.
 pub(super) fn ensure_init() -> FResult<()> {
     let uninit = CURRENT.with(Cell::get).is_null()
         && matches!(
@@ -222,7 +229,11 @@ pub(super) fn ensure_init() -> FResult<()> {
             Global::Uninit
         );
     if uninit {
-        match init_from(None) {
+        let mut cfg = PoolConfig::from_env()?;
+        if matches!(cfg.backend, crate::config::BackendKind::Auto) {
+            cfg.backend = crate::config::BackendKind::Cuda;
+        }
+        match init_with(cfg) {
             Err(f) if f.status == GpupoolStatus::AlreadyInitialized => {}
             other => other?,
         }

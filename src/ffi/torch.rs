@@ -19,7 +19,9 @@ use std::ffi::{c_int, c_void};
 /// failure (with `gpupool_last_error` set and the message also written to
 /// stderr, since PyTorch does not check for `NULL`). The first call
 /// initializes gpupool from `GPUPOOL_CONF` when `gpupool_init` was not
-/// called; after `gpupool_shutdown` it fails.
+/// called, on CUDA unless `GPUPOOL_CONF` says `backend=sim` (without a
+/// driver that first call fails with `GPUPOOL_STATUS_NO_DRIVER`, never
+/// falling back to the simulator); after `gpupool_shutdown` it fails.
 #[no_mangle]
 pub extern "C" fn gpupool_torch_malloc(
     size: libc::ssize_t,
