@@ -10,7 +10,6 @@ use super::heap::Tag;
 use super::pending::{Pending, Waits};
 use super::{HeapState, PoolShared, Stream, StreamCore};
 use crate::error::{Error, Result};
-use crate::ptr::EventHandle;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::Arc;
@@ -33,7 +32,7 @@ impl PoolShared {
             if mark.is_some_and(|m| progress.known_pending(m)) {
                 return false;
             }
-            let done = self.query_outside_capture(e);
+            let done = self.event_done(e);
             if let Some(m) = mark {
                 if done {
                     m.completed();
@@ -72,20 +71,7 @@ impl PoolShared {
                 }
             }
         }
-        sweep.settle(progress, |e| self.query_outside_capture(e));
-    }
-
-    /// Whether event `e` completed; no query while a capture is underway
-    /// (`false` then) and an error counts as not yet.
-    fn query_outside_capture(&self, e: EventHandle) -> bool {
-        match self.outside_capture(|| self.backend.query_event(self.dev, e)) {
-            Some(Ok(done)) => done,
-            Some(Err(err)) => {
-                tracing::warn!(device = self.dev, "cuEventQuery failed: {err}");
-                false
-            }
-            None => false,
-        }
+        sweep.settle(progress, |e| self.event_done(e));
     }
 
     /// [`PoolShared::waits_done_in`] on its own.
