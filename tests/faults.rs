@@ -648,8 +648,9 @@ fn stalled_stream_does_not_block_others() {
         let max_alloc = Duration::from_nanos(tally.max_alloc_ns.load(Relaxed));
         eprintln!(
             "faults::stall: stream stalled {stall:?}; 2 threads did {it} iterations in {took:.1?} \
-             ({} cross-stream), max alloc latency {max_alloc:.1?}, {syncs} host syncs",
-            tally.cross.load(Relaxed)
+             ({} cross-stream, {} ooms), max alloc latency {max_alloc:.1?}, {syncs} host syncs",
+            tally.cross.load(Relaxed),
+            tally.ooms.load(Relaxed)
         );
         assert_eq!(syncs, 0, "the pool blocked the host");
         assert_eq!(it, 800, "the other threads did not finish their work");

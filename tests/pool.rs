@@ -276,11 +276,14 @@ fn owner_words_written_late_are_seen_by_snapshots_raw_frees_and_the_audit() {
     assert_eq!(dev.stats().requested_bytes.current, 0);
 }
 
-/// Before growing, the large path takes memory another stream freed with
-/// `record_stream` by handover: the taker waits on the free's events on the
-/// device, so the bytes the stalled stream still reads stay intact.
+/// While the device has room, a stream never waits on another stream's
+/// unfinished work: memory freed with `record_stream` and still read by a
+/// slow stream is not handed over, the pool grows (`cudaMallocAsync`'s
+/// order). At the limit, the large path takes it by handover instead of
+/// failing: the taker waits on the free's events on the device, so the
+/// bytes the slow stream still reads stay intact.
 #[test]
-fn pending_memory_is_handed_over_before_the_pool_grows() {
+fn pending_memory_is_handed_over_only_when_the_pool_cannot_grow() {
     let rt = sim_runtime(1, 256 * MIB);
     let dev = rt.device(0).unwrap();
     let sim = sim_of(dev);
@@ -308,6 +311,16 @@ fn pending_memory_is_handed_over_before_the_pool_grows() {
     drop(b);
     let reserved = dev.stats().reserved_bytes.current;
     let handovers = dev.stats().num_handovers;
+    // Room to grow: s1 is not tied to s2's late read.
+    let grown = dev.alloc(size, &s1).unwrap();
+    assert_ne!(grown.ptr(), p, "s1 waited on s2 while the device had room");
+    assert_eq!(dev.stats().num_handovers, handovers);
+    assert!(dev.stats().reserved_bytes.current > reserved);
+    drop(grown);
+    // No room: the pending block is handed over.
+    let reserved = dev.stats().reserved_bytes.current;
+    dev.set_memory_limit(Some(reserved)).unwrap();
+    let _fill = dev.alloc(size, &s1).unwrap();
     let x = dev.alloc(size, &s1).unwrap();
     assert_eq!(x.ptr(), p, "the pending block is reused instead of growing");
     assert_eq!(dev.stats().reserved_bytes.current, reserved);
@@ -324,12 +337,12 @@ fn pending_memory_is_handed_over_before_the_pool_grows() {
 }
 
 #[test]
-fn adjacent_pending_groups_serve_one_request_before_the_pool_grows() {
+fn adjacent_pending_groups_serve_one_request_at_the_limit() {
     // Two neighbouring blocks freed with record_stream become two pending
-    // groups: their free ranges carry different tags and never merge. A
-    // request for both together must take the run by waiting on both
-    // groups on the device, not map new memory beside it (the soak's
-    // creep), and its writes must come after the old reads.
+    // groups: their free ranges carry different tags and never merge. At
+    // the limit, a request for both together must take the run by waiting
+    // on both groups on the device, not fail beside it, and its writes
+    // must come after the old reads.
     let rt = sim_runtime(1, 256 * MIB);
     let dev = rt.device(0).unwrap();
     let sim = sim_of(dev);
@@ -370,6 +383,9 @@ fn adjacent_pending_groups_serve_one_request_before_the_pool_grows() {
     drop(b);
     let st = dev.stats();
     assert_eq!(st.pending_bytes.current, 2 * size as u64);
+    // No room to grow (with room, s3 would grow rather than wait on s2).
+    dev.set_memory_limit(Some(st.reserved_bytes.current))
+        .unwrap();
     let x = dev.alloc(2 * size, &s3).unwrap();
     assert_eq!(x.ptr(), pa, "the two pending ranges are taken as one");
     assert_eq!(

@@ -44,50 +44,52 @@ impl PoolShared {
         // The slow path from here on (events, growth, stitching): first,
         // is this stream capturing a graph the pool was not told about?
         self.detect_capture(stream);
-        {
-            let mut h = self.heap.lock();
-            // (The list also reads empty while another thread harvests it:
-            // pending memory may be in the heap all the same.)
-            if self.pending.is_empty() {
-                if let Some(t) = self.reuse_or_grow(&mut h, len, stream)? {
-                    return keep(&mut h, t.addr);
-                }
-            }
-        }
+        // Memory whose uses are complete, by any stream, before growing:
+        // other streams' idle dirty memory is flushed (one event per stream,
+        // no wait) when it would cover the request, and completed frees are
+        // harvested (queries only).
         let flush_others = {
             let h = self.heap.lock();
             h.heap
                 .dirty_elsewhere_at_least(stream.slot(), len.saturating_sub(h.exact.bytes))
         };
         if flush_others {
-            // Other streams hold enough freed memory: flush it (one event
-            // per stream, no host wait) instead of growing; the handover
-            // below orders this stream after those events.
             self.reclaim();
-        }
-        if !self.pending.is_empty() {
-            // Before growing: reuse what other streams freed. Harvest
-            // completed frees (non-blocking), then take memory already
-            // backed, pending memory included by handover, and only then
-            // grow. Without this, cross-stream frees pile up between
-            // maintenance ticks and every stream grows its own cache.
+        } else if !self.pending.is_empty() {
             self.harvest();
+        }
+        {
             let mut h = self.heap.lock();
             if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
                 return keep(&mut h, t.addr);
             }
-            if let Some(t) = self.reuse_or_grow(&mut h, len, stream)? {
+            if let Some(t) = self.own_pending(&mut h, len, stream).transpose()? {
+                return keep(&mut h, t.addr);
+            }
+            // Then growth, before any handover: a stream is made to wait on
+            // another's unfinished work only when the device (or the cap)
+            // has no room left, as `cudaMallocAsync` inserts its internal
+            // dependencies only when it cannot map more memory. Waiting
+            // first would tie this stream to a slow or stalled one while
+            // the device has memory to spare.
+            if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, false)? {
                 return keep(&mut h, t.addr);
             }
         }
+        // At capacity: every stream's freed memory to the pending list,
+        // completed frees harvested, then pending memory by handover (the
+        // stream waits on the device, never the host).
         self.counters.retries.fetch_add(1, Relaxed);
-        self.harvest();
         self.reclaim();
-        let mut h = self.heap.lock();
-        if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, self.handover_ok())? {
-            return keep(&mut h, t.addr);
+        {
+            let mut h = self.heap.lock();
+            if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
+                return keep(&mut h, t.addr);
+            }
+            if let Some(t) = self.take_pending(&mut h, len, stream)? {
+                return keep(&mut h, t.addr);
+            }
         }
-        drop(h);
         // The way to out of memory: wait for what is in flight, then once more.
         self.wait_before_oom();
         let mut h = self.heap.lock();
@@ -101,13 +103,35 @@ impl PoolShared {
         }
     }
 
-    /// A large request that no single clean or own-dirty backed range
-    /// serves, in order: a backed pending range by handover, a run of
-    /// adjacent backed ranges with different tags (`handover_run`), then
-    /// the heap's best fit, whose stitching may also take idle granules of
-    /// pending memory (the stream waits on their groups on the device) and
-    /// only then maps new memory. Out of memory is `None`.
-    fn reuse_or_grow(
+    /// Backed memory pending only behind this stream's own events (its
+    /// dirty memory, flushed): the stream reuses it with no wait, as stream
+    /// order already puts new work after those uses. Not during a capture.
+    fn own_pending(
+        &self,
+        h: &mut HeapState,
+        len: u64,
+        stream: &Stream,
+    ) -> Option<Result<heap::Taken>> {
+        if self.capture.underway() {
+            return None;
+        }
+        let order = &stream.core().order;
+        let events = &h.group_events;
+        let r = h
+            .heap
+            .alloc_pending_backed(len, ALIGN, stream.slot(), |id| {
+                events.get(&id).is_some_and(|w| w.ordered_before(order))
+            })?;
+        Some(self.finish_taken(h, r, stream))
+    }
+
+    /// A large request that neither backed memory nor growth serves (the
+    /// device or the cap is full), in order: a backed pending range by
+    /// handover, a run of adjacent backed ranges with different tags
+    /// (`handover_run`), then the heap's best fit, whose stitching may also
+    /// take idle granules of pending memory (the stream waits on their
+    /// groups on the device). Out of memory is `None`.
+    fn take_pending(
         &self,
         h: &mut HeapState,
         len: u64,

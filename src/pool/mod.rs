@@ -603,7 +603,8 @@ impl PoolShared {
         if let Some(i) = self.slabs.pop(class, slot) {
             return Ok(i);
         }
-        let first = self.new_slab(class, stream);
+        // Growth before any handover (see `alloc_large`).
+        let first = self.new_slab(class, stream, false);
         match first {
             Ok(Some(i)) => return Ok(i),
             Ok(None) => {}
@@ -622,7 +623,7 @@ impl PoolShared {
                 return Ok(i);
             }
         }
-        match self.new_slab(class, stream) {
+        match self.new_slab(class, stream, self.handover_ok()) {
             Ok(Some(i)) => return Ok(i),
             Ok(None) => {}
             Err(e) if e.is_oom() => {}
@@ -633,7 +634,7 @@ impl PoolShared {
         if let Some(i) = self.slabs.pop(class, slot) {
             return Ok(i);
         }
-        match self.new_slab(class, stream) {
+        match self.new_slab(class, stream, self.handover_ok()) {
             Ok(Some(i)) => Ok(i),
             Ok(None) => Err(self.oom(size)),
             Err(e) if e.is_oom() => Err(self.oom(size)),
@@ -683,8 +684,9 @@ impl PoolShared {
     }
 
     /// Carves a new slab for `class` and pops one slot of it (or of any
-    /// slot that appeared meanwhile).
-    fn new_slab(&self, class: usize, stream: &Stream) -> Result<Option<u32>> {
+    /// slot that appeared meanwhile); with `pending_ok`, from pending
+    /// memory by handover too.
+    fn new_slab(&self, class: usize, stream: &Stream, pending_ok: bool) -> Result<Option<u32>> {
         let slot = stream.slot();
         let mut h = self.heap.lock();
         // Another thread may have refilled the class while we waited.
@@ -696,7 +698,7 @@ impl PoolShared {
             Some(t) => t,
             None => {
                 Self::unpark(&mut h);
-                self.heap_alloc(&mut h, sb, sb, stream, self.handover_ok())?
+                self.heap_alloc(&mut h, sb, sb, stream, pending_ok)?
             }
         };
         let reuse = h.free_slab_ids[class].pop();

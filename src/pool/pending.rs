@@ -7,7 +7,7 @@
 //! record's events without blocking, releases the completed ones and pushes
 //! the rest back.
 
-use super::event_order::Mark;
+use super::event_order::{EventOrder, Mark};
 use super::sync::{AtomicPtr, AtomicUsize};
 use super::StreamCore;
 use crate::ptr::EventHandle;
@@ -74,6 +74,26 @@ impl Waits {
         self.events.extend(other.events);
         self.marks.extend(other.marks);
         self.unrecorded.extend(other.unrecorded);
+    }
+
+    /// Whether new work on the stream numbered by `order` is already
+    /// ordered after every use: each event was recorded on that stream or
+    /// is known complete, and none is unrecorded. Such memory is that
+    /// stream's to reuse with no wait at all (stream order).
+    pub(crate) fn ordered_before(&self, order: &Arc<EventOrder>) -> bool {
+        self.unrecorded.is_empty()
+            && self.marks.len() == self.events.len()
+            && self.marks.iter().all(|m| {
+                m.as_ref()
+                    .is_some_and(|m| m.known_done() || Arc::ptr_eq(&m.order, order))
+            })
+    }
+
+    /// Whether `events[i]` needs no device-side wait by the stream
+    /// numbered by `order` (recorded on it, or known complete).
+    pub(crate) fn needs_no_wait(&self, i: usize, order: &Arc<EventOrder>) -> bool {
+        self.mark(i)
+            .is_some_and(|m| m.known_done() || Arc::ptr_eq(&m.order, order))
     }
 
     /// The mark of `events[i]`.

@@ -92,7 +92,12 @@ impl PoolShared {
                 "memory with unrecorded uses cannot be handed over".into(),
             ));
         }
-        for &e in &w.events {
+        let order = &stream.core().order;
+        for (i, &e) in w.events.iter().enumerate() {
+            // Work on the stream already runs after its own events.
+            if w.needs_no_wait(i, order) {
+                continue;
+            }
             self.outside_capture(|| self.backend.stream_wait_event(self.dev, stream.handle(), e))
                 .ok_or_else(|| self.capture_error("a handover"))??;
         }
