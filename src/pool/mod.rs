@@ -809,6 +809,12 @@ impl PoolShared {
                 }
                 // Tagged blocks are never parked (see `pause.rs`).
                 let tagged = self.tags.forget(addr);
+                // A free that waits on events records them before taking
+                // the heap lock: no driver call runs under it. The block is
+                // still allocated until the free below publishes it.
+                let own_stream_only = slot.is_some() && extra.is_empty();
+                let mut waits = (!own_stream_only && tagged != Some(true))
+                    .then(|| self.record_events(stream.core(), extra));
                 let mut h = self.heap.lock();
                 match slot {
                     // The owner word stays: parking is authoritative for
@@ -830,7 +836,7 @@ impl PoolShared {
                         h.heap
                             .free(addr, Tag::Pending(id))
                             .expect("block is allocated");
-                        let waits = self.record_events(stream.core(), extra);
+                        let waits = waits.take().expect("recorded above");
                         h.group_events.insert(id, waits);
                         drop(h);
                         self.counters.pending_frees.fetch_add(1, Relaxed);

@@ -272,11 +272,34 @@ impl PoolShared {
                 .free(addr, Tag::Dirty(slot as u16))
                 .expect("parked ranges are allocated");
         }
-        if let Some((id, _)) = h.heap.flush_dirty(slot as u16) {
-            let waits = self.record_events(core, &[]);
-            h.group_events.insert(id, waits);
-            drop(h);
-            self.pending.push(Pending::Group { id });
+        let Some((id, _)) = h.heap.flush_dirty(slot as u16) else {
+            return;
+        };
+        // The event is recorded outside the heap lock (no driver call runs
+        // under it). Until then the group reads as unrecorded on this
+        // stream: nothing hands it over or steals its granules, and only a
+        // host sync of the stream (the way to out of memory) completes it.
+        h.group_events.insert(
+            id,
+            Waits {
+                unrecorded: vec![core.clone()],
+                ..Waits::default()
+            },
+        );
+        drop(h);
+        let waits = self.record_events(core, &[]);
+        let mut h = self.heap.lock();
+        match h.group_events.get_mut(&id) {
+            Some(w) => {
+                *w = waits;
+                drop(h);
+                self.pending.push(Pending::Group { id });
+            }
+            // Completed on the host meanwhile.
+            None => {
+                drop(h);
+                self.recycle_events(waits);
+            }
         }
     }
 
