@@ -129,6 +129,10 @@ impl PoolConfig {
             "simulated delay before each stream operation (default 0)",
         ),
         (
+            "queue_depth",
+            "simulated operations a stream queues before the host blocks; 0: no bound (default 1024)",
+        ),
+        (
             "backing",
             "simulated memory: memory | accounting (default memory)",
         ),
@@ -247,6 +251,7 @@ impl PoolConfig {
                 "op_delay_us" => {
                     c.sim.op_delay = Duration::from_micros(parse_u64(value).map_err(bad)?)
                 }
+                "queue_depth" => c.sim.queue_depth = parse_u64(value).map_err(bad)? as usize,
                 "backing" => {
                     c.sim.backing = match value {
                         "memory" => SimBacking::Memory,

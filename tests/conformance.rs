@@ -803,3 +803,41 @@ fn sim_streams_are_asynchronous_fifos() {
     assert_eq!(&v[..8], &[0u8; 8], "FIFO: the fill ran after the kernel");
     assert_eq!(v[8], gpupool::backend::sim::pattern_byte(7, 8));
 }
+
+/// Sim only: a stream's queue is finite, like a launch queue. Behind a
+/// stalled stream, the pushes past the queue's depth block the host until
+/// the stall ends; the ones within it return at once.
+#[test]
+fn sim_full_launch_queue_blocks_the_host_until_the_stream_drains() {
+    let sim = SimBackend::new(SimConfig {
+        queue_depth: 4,
+        ..sim_config()
+    })
+    .unwrap();
+    let s = sim.create_stream(0).unwrap();
+    let ev = sim.create_event(0).unwrap();
+    let stall = Duration::from_millis(300);
+    sim.stall_stream(0, s, stall).unwrap();
+    let t = Instant::now();
+    // The worker holds the stall; these fill the queue behind it.
+    for _ in 0..4 {
+        sim.record_event(0, ev, s).unwrap();
+    }
+    let within = t.elapsed();
+    for _ in 0..4 {
+        sim.record_event(0, ev, s).unwrap();
+    }
+    let past = t.elapsed();
+    assert!(
+        past >= stall - Duration::from_millis(50),
+        "pushes past the queue's depth returned after {past:?}, before the {stall:?} stall ended"
+    );
+    assert!(
+        within < stall / 2,
+        "pushes within the queue's depth blocked ({within:?})"
+    );
+    sim.sync_stream(0, s).unwrap();
+    assert!(sim.query_event(0, ev).unwrap());
+    sim.destroy_event(0, ev).unwrap();
+    sim.destroy_stream(0, s).unwrap();
+}

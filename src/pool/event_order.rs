@@ -27,8 +27,20 @@ use crate::ptr::EventHandle;
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 use std::sync::atomic::AtomicU64;
-use std::sync::atomic::Ordering::{AcqRel, Acquire};
-use std::sync::Arc;
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
+
+/// How recently a query must have found one of a stream's events
+/// complete for the stream to count as progressing (see
+/// [`EventOrder::progressing`]).
+const PROGRESS_WINDOW: Duration = Duration::from_millis(50);
+
+/// Nanoseconds on a process-wide monotonic clock, never 0.
+pub(crate) fn now_ns() -> u64 {
+    static BASE: LazyLock<Instant> = LazyLock::new(Instant::now);
+    BASE.elapsed().as_nanos() as u64 + 1
+}
 
 /// The numbering of one stream's events.
 #[derive(Debug, Default)]
@@ -37,6 +49,9 @@ pub(crate) struct EventOrder {
     last: Mutex<u64>,
     /// Every event numbered up to this one has completed.
     done: AtomicU64,
+    /// When a query last found a later event of the stream complete
+    /// ([`now_ns`]; 0: never).
+    progressed_at: AtomicU64,
 }
 
 /// An event's place in its stream's order.
@@ -53,6 +68,16 @@ impl PartialEq for Mark {
 }
 
 impl EventOrder {
+    /// Whether a query found one of the stream's events complete in the
+    /// last [`PROGRESS_WINDOW`] before `now`: evidence that work queued
+    /// on it drains. A stalled stream (a communication stream blocked on a
+    /// peer, a hung kernel) shows none, and the pool does not make another
+    /// stream wait on it while it can grow instead.
+    pub(crate) fn progressing(&self, now: u64) -> bool {
+        let t = self.progressed_at.load(Relaxed);
+        t != 0 && now.saturating_sub(t) <= PROGRESS_WINDOW.as_nanos() as u64
+    }
+
     /// Runs `record` (one event record on the stream) and numbers the event.
     pub(crate) fn record(
         self: &Arc<Self>,
@@ -79,7 +104,9 @@ impl Mark {
 
     /// A query found the event complete: so are the earlier ones.
     pub(crate) fn completed(&self) {
-        self.order.done.fetch_max(self.seq, AcqRel);
+        if self.order.done.fetch_max(self.seq, AcqRel) < self.seq {
+            self.order.progressed_at.store(now_ns(), Relaxed);
+        }
     }
 }
 
@@ -176,6 +203,22 @@ mod tests {
 
     fn mark(order: &Arc<EventOrder>, ev: u64) -> Mark {
         order.record(|| Ok(EventHandle(ev))).unwrap().1
+    }
+
+    #[test]
+    fn a_stream_progresses_only_while_queries_find_its_events_complete() {
+        let a = Arc::new(EventOrder::default());
+        let (a1, a2) = (mark(&a, 1), mark(&a, 2));
+        assert!(!a.progressing(now_ns()), "no completion seen yet");
+        a2.completed();
+        assert!(a.progressing(now_ns()));
+        std::thread::sleep(PROGRESS_WINDOW + Duration::from_millis(10));
+        assert!(!a.progressing(now_ns()), "nothing completed in the window");
+        a1.completed();
+        assert!(
+            !a.progressing(now_ns()),
+            "an event already known complete is no new progress"
+        );
     }
 
     #[test]

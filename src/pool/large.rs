@@ -10,6 +10,20 @@ use super::{HeapState, LargeLive, PoolShared, Stream};
 use crate::error::Result;
 use std::sync::atomic::Ordering::{Relaxed, Release};
 
+/// Which pending memory a heap allocation may take (by handover, or by
+/// stitching its idle granules); none while handover is off or a capture
+/// is underway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum PendingUse {
+    /// None: backed memory and growth only.
+    None,
+    /// Groups whose streams drain soon (`Waits::drains_soon`): the step
+    /// before growth.
+    Draining,
+    /// Any group that can be waited on: the device or the cap is full.
+    Any,
+}
+
 impl PoolShared {
     /// A large range of `len` bytes (or, from the parking cache, up to
     /// 3/64 more): `(addr, its length)`.
@@ -66,13 +80,22 @@ impl PoolShared {
             if let Some(t) = self.own_pending(&mut h, len, stream).transpose()? {
                 return keep(&mut h, t.addr);
             }
-            // Then growth, before any handover: a stream is made to wait on
-            // another's unfinished work only when the device (or the cap)
-            // has no room left, as `cudaMallocAsync` inserts its internal
-            // dependencies only when it cannot map more memory. Waiting
-            // first would tie this stream to a slow or stalled one while
-            // the device has memory to spare.
-            if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, false)? {
+            // Pending memory whose streams are progressing: the wait on the
+            // device ends soon, and the pool does not grow beside it (a
+            // stream running behind the host keeps much of the device
+            // pending). Never memory behind a stalled stream.
+            if self.handover_ok() {
+                let (order, now) = (&stream.core().order, super::event_order::now_ns());
+                let soon = |w: &Waits| w.drains_soon(order, now);
+                if let Some(t) = self.handover(&mut h, len, stream, soon)? {
+                    return keep(&mut h, t.addr);
+                }
+            }
+            // Then growth, before any other handover: a stream is made to
+            // wait on a slow or stalled stream's work only when the device
+            // (or the cap) has no room left, as `cudaMallocAsync` inserts
+            // its internal dependencies only when it cannot map more.
+            if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, PendingUse::Draining)? {
                 return keep(&mut h, t.addr);
             }
         }
@@ -94,7 +117,7 @@ impl PoolShared {
         self.wait_before_oom();
         let mut h = self.heap.lock();
         Self::unpark(&mut h);
-        match self.heap_alloc_or_oom(&mut h, len, stream, self.handover_ok())? {
+        match self.heap_alloc_or_oom(&mut h, len, stream, PendingUse::Any)? {
             Some(t) => keep(&mut h, t.addr),
             None => {
                 drop(h);
@@ -137,15 +160,35 @@ impl PoolShared {
         len: u64,
         stream: &Stream,
     ) -> Result<Option<heap::Taken>> {
-        match self.handover_backed(h, len, ALIGN, stream) {
+        // Streams that drain first: a stalled one's memory is the last
+        // taken before the host waits.
+        let (order, now) = (&stream.core().order, super::event_order::now_ns());
+        let soon = |w: &Waits| w.drains_soon(order, now);
+        if let Some(t) = self.handover(h, len, stream, soon)? {
+            return Ok(Some(t));
+        }
+        let any = |w: &Waits| w.unrecorded.is_empty();
+        if let Some(t) = self.handover(h, len, stream, any)? {
+            return Ok(Some(t));
+        }
+        self.heap_alloc_or_oom(h, len, stream, PendingUse::Any)
+    }
+
+    /// A backed pending range, or a run of backed ranges (`handover_run`),
+    /// of groups that are `usable`, taken by handover.
+    fn handover(
+        &self,
+        h: &mut HeapState,
+        len: u64,
+        stream: &Stream,
+        usable: impl Fn(&Waits) -> bool + Copy,
+    ) -> Result<Option<heap::Taken>> {
+        match self.handover_backed(h, len, ALIGN, stream, usable) {
             Some(Ok(t)) => return Ok(Some(t)),
             Some(Err(e)) if !e.is_oom() => return Err(e),
             _ => {}
         }
-        if let Some(t) = self.handover_run(h, len, stream).transpose()? {
-            return Ok(Some(t));
-        }
-        self.heap_alloc_or_oom(h, len, stream, self.handover_ok())
+        self.handover_run(h, len, stream, usable).transpose()
     }
 
     /// [`PoolShared::heap_alloc`] for a large block, with out of memory as
@@ -155,9 +198,9 @@ impl PoolShared {
         h: &mut HeapState,
         len: u64,
         stream: &Stream,
-        pending_ok: bool,
+        pending: PendingUse,
     ) -> Result<Option<heap::Taken>> {
-        match self.heap_alloc(h, len, ALIGN, stream, pending_ok) {
+        match self.heap_alloc(h, len, ALIGN, stream, pending) {
             Ok(t) => Ok(Some(t)),
             Err(e) if e.is_oom() => Ok(None),
             Err(e) => Err(e),
@@ -184,20 +227,26 @@ impl PoolShared {
         len: u64,
         align: u64,
         stream: &Stream,
-        pending_ok: bool,
+        pending: PendingUse,
     ) -> Result<heap::Taken> {
         let device_allocs = h.heap.device_allocs;
+        let pending_ok = pending != PendingUse::None && self.handover_ok();
         if pending_ok {
             // A group with a stream whose event could not be recorded
             // cannot be waited on (only `trim` releases it): the heap must
-            // neither hand it over nor stitch its granules.
+            // neither hand it over nor stitch its granules. Before growth,
+            // neither may a group behind a stream that is not draining.
+            let (order, now) = (&stream.core().order, super::event_order::now_ns());
             let HeapState {
                 heap, group_events, ..
             } = &mut *h;
             heap.set_blocked(
                 group_events
                     .iter()
-                    .filter(|(_, w)| !w.unrecorded.is_empty())
+                    .filter(|(_, w)| match pending {
+                        PendingUse::Draining => !w.drains_soon(order, now),
+                        _ => !w.unrecorded.is_empty(),
+                    })
                     .map(|(&id, _)| id),
             );
         }
@@ -226,6 +275,7 @@ impl PoolShared {
         len: u64,
         align: u64,
         stream: &Stream,
+        usable: impl Fn(&Waits) -> bool,
     ) -> Option<Result<heap::Taken>> {
         if !self.handover_ok() {
             return None;
@@ -236,7 +286,7 @@ impl PoolShared {
         let r = h
             .heap
             .alloc_pending_backed(len, align, stream.slot(), |id| {
-                events.get(&id).is_some_and(|w| w.unrecorded.is_empty())
+                events.get(&id).is_some_and(&usable)
             })?;
         Some(self.finish_taken(h, r, stream))
     }
@@ -253,6 +303,7 @@ impl PoolShared {
         h: &mut HeapState,
         len: u64,
         stream: &Stream,
+        usable: impl Fn(&Waits) -> bool,
     ) -> Option<Result<heap::Taken>> {
         if !self.handover_ok() {
             return None;
@@ -261,9 +312,9 @@ impl PoolShared {
         // As in `handover_backed`: groups with an unrecorded stream cannot
         // be waited on.
         let events = &h.group_events;
-        let (start, ids) = h.heap.find_run(len, ALIGN, slot, |id| {
-            events.get(&id).is_some_and(|w| w.unrecorded.is_empty())
-        })?;
+        let (start, ids) = h
+            .heap
+            .find_run(len, ALIGN, slot, |id| events.get(&id).is_some_and(&usable))?;
         for id in &ids {
             let w = h.group_events.get(id).cloned().unwrap_or_default();
             // Nothing is taken yet: a failed wait leaves the heap as it was

@@ -75,6 +75,7 @@ use crate::error::{Error, OomReport, Result};
 use crate::ptr::{DevicePtr, EventHandle, StreamHandle};
 use event_order::Mark;
 use heap::{Heap, Tag};
+use large::PendingUse;
 use parking_lot::Mutex;
 use pending::{Pending, PendingList, Waits};
 use rustc_hash::FxHashMap as HashMap;
@@ -603,8 +604,9 @@ impl PoolShared {
         if let Some(i) = self.slabs.pop(class, slot) {
             return Ok(i);
         }
-        // Growth before any handover (see `alloc_large`).
-        let first = self.new_slab(class, stream, false);
+        // Growth before handover of memory behind streams that are not
+        // draining (see `alloc_large`).
+        let first = self.new_slab(class, stream, PendingUse::Draining);
         match first {
             Ok(Some(i)) => return Ok(i),
             Ok(None) => {}
@@ -623,7 +625,7 @@ impl PoolShared {
                 return Ok(i);
             }
         }
-        match self.new_slab(class, stream, self.handover_ok()) {
+        match self.new_slab(class, stream, PendingUse::Any) {
             Ok(Some(i)) => return Ok(i),
             Ok(None) => {}
             Err(e) if e.is_oom() => {}
@@ -634,7 +636,7 @@ impl PoolShared {
         if let Some(i) = self.slabs.pop(class, slot) {
             return Ok(i);
         }
-        match self.new_slab(class, stream, self.handover_ok()) {
+        match self.new_slab(class, stream, PendingUse::Any) {
             Ok(Some(i)) => Ok(i),
             Ok(None) => Err(self.oom(size)),
             Err(e) if e.is_oom() => Err(self.oom(size)),
@@ -684,9 +686,9 @@ impl PoolShared {
     }
 
     /// Carves a new slab for `class` and pops one slot of it (or of any
-    /// slot that appeared meanwhile); with `pending_ok`, from pending
-    /// memory by handover too.
-    fn new_slab(&self, class: usize, stream: &Stream, pending_ok: bool) -> Result<Option<u32>> {
+    /// slot that appeared meanwhile); from `pending` memory by handover
+    /// too.
+    fn new_slab(&self, class: usize, stream: &Stream, pending: PendingUse) -> Result<Option<u32>> {
         let slot = stream.slot();
         let mut h = self.heap.lock();
         // Another thread may have refilled the class while we waited.
@@ -698,7 +700,7 @@ impl PoolShared {
             Some(t) => t,
             None => {
                 Self::unpark(&mut h);
-                self.heap_alloc(&mut h, sb, sb, stream, pending_ok)?
+                self.heap_alloc(&mut h, sb, sb, stream, pending)?
             }
         };
         let reuse = h.free_slab_ids[class].pop();

@@ -246,7 +246,7 @@ impl PoolShared {
             let mut h = this.heap.lock();
             let t = match h.heap.alloc_backed(len, gran, stream.slot()) {
                 Some(t) => t,
-                None => match this.heap_alloc(&mut h, len, gran, stream, this.handover_ok()) {
+                None => match this.heap_alloc(&mut h, len, gran, stream, super::PendingUse::Any) {
                     Ok(t) => t,
                     Err(e) if e.is_oom() => return Ok(None),
                     Err(e) => return Err(e),

@@ -89,6 +89,20 @@ impl Waits {
             })
     }
 
+    /// Whether the stream numbered by `order` may wait on these uses
+    /// before the pool grows: each event is that stream's own, known
+    /// complete, or on a stream that is progressing
+    /// ([`EventOrder::progressing`] at `now`); none is unrecorded.
+    pub(crate) fn drains_soon(&self, order: &Arc<EventOrder>, now: u64) -> bool {
+        self.unrecorded.is_empty()
+            && self.marks.len() == self.events.len()
+            && self.marks.iter().all(|m| {
+                m.as_ref().is_some_and(|m| {
+                    m.known_done() || Arc::ptr_eq(&m.order, order) || m.order.progressing(now)
+                })
+            })
+    }
+
     /// Whether `events[i]` needs no device-side wait by the stream
     /// numbered by `order` (recorded on it, or known complete).
     pub(crate) fn needs_no_wait(&self, i: usize, order: &Arc<EventOrder>) -> bool {

@@ -218,8 +218,20 @@ impl PoolShared {
     }
 
     /// Takes pending slots of `class` for `stream` by ordering the stream
-    /// after their events on the device (no host sync).
+    /// after their events on the device (no host sync): records whose
+    /// streams drain soon first (see `Waits::drains_soon`), then any.
     pub(super) fn handover_slots(&self, class: usize, stream: &Stream) -> Option<u32> {
+        let (order, now) = (&stream.core().order, super::event_order::now_ns());
+        self.handover_slots_if(class, stream, |w| w.drains_soon(order, now))
+            .or_else(|| self.handover_slots_if(class, stream, |w| w.unrecorded.is_empty()))
+    }
+
+    fn handover_slots_if(
+        &self,
+        class: usize,
+        stream: &Stream,
+        usable: impl Fn(&Waits) -> bool,
+    ) -> Option<u32> {
         let slot = stream.slot()? as usize;
         let mut records = self.pending.take_all().into_iter();
         while let Some(p) = records.next() {
@@ -229,7 +241,7 @@ impl PoolShared {
                     slots,
                     waits,
                     bytes,
-                } if c as usize == class && waits.unrecorded.is_empty() => {
+                } if c as usize == class && usable(&waits) => {
                     if let Err(e) = self.wait_on(stream, &waits) {
                         tracing::warn!(device = self.dev, "handover failed: {e}");
                         self.pending.push(Pending::Slots {

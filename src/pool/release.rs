@@ -41,6 +41,9 @@ impl DevicePool {
         if sh.capture.underway() {
             return Err(sh.capture_error("settle"));
         }
+        // No maintenance tick in between (as in `trim`): one harvesting
+        // holds the pending records that the wait below must see.
+        let _gate = sh.maint_gate.lock();
         super::magazine::flush_for(sh);
         sh.flush_all_streams();
         sh.sync_pending()?;

@@ -56,6 +56,11 @@ pub enum SimBacking {
     Accounting,
 }
 
+/// [`SimConfig::queue_depth`]'s default: about a CUDA stream's launch
+/// queue (a host runs on the order of a thousand launches ahead before it
+/// blocks).
+pub const DEFAULT_QUEUE_DEPTH: usize = 1024;
+
 /// Configuration of the simulator.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct SimConfig {
@@ -72,6 +77,13 @@ pub struct SimConfig {
     pub op_delay: Duration,
     /// How memory is backed.
     pub backing: SimBacking,
+    /// Operations a stream queues before the host blocks on the next one
+    /// (0: no bound). A GPU's launch queue is finite: a host that runs far
+    /// ahead of a stream stalls in the launch (or event record) until the
+    /// stream drains, which bounds the work, and the frees, in flight. An
+    /// unbounded queue lets a fast host pile up memory that no real device
+    /// would have pending.
+    pub queue_depth: usize,
     /// Run every stream operation inline, at enqueue, on the calling thread
     /// (no worker threads). Work then completes in enqueue order across all
     /// streams, so results are deterministic; meant for trace replays in
@@ -90,6 +102,7 @@ impl Default for SimConfig {
             vmm: true,
             op_delay: Duration::ZERO,
             backing: SimBacking::Memory,
+            queue_depth: DEFAULT_QUEUE_DEPTH,
             sync_streams: false,
         }
     }
@@ -224,7 +237,16 @@ impl SimBackend {
     }
 
     fn spawn_stream(&self, dev: usize) -> Result<Arc<SimStream>> {
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = match self.cfg.queue_depth {
+            0 => {
+                let (tx, rx) = mpsc::channel();
+                (stream::Tx::Unbounded(tx), rx)
+            }
+            n => {
+                let (tx, rx) = mpsc::sync_channel(n);
+                (stream::Tx::Bounded(tx), rx)
+            }
+        };
         let exec: Arc<dyn Executor> = self.shared.clone();
         let h = std::thread::Builder::new()
             .name(format!("sim-stream-{dev}"))

@@ -157,15 +157,38 @@ pub(crate) enum Op {
     Marker(Arc<SimEvent>, u64),
 }
 
+/// The sending end of a stream's queue: bounded like a launch queue (a
+/// full queue blocks the host until the worker drains one operation), or
+/// not.
+#[derive(Debug)]
+pub(crate) enum Tx {
+    Bounded(mpsc::SyncSender<Op>),
+    Unbounded(mpsc::Sender<Op>),
+}
+
+impl Tx {
+    fn send(&self, op: Op) -> std::result::Result<(), mpsc::SendError<Op>> {
+        match self {
+            Tx::Bounded(t) => t.send(op),
+            Tx::Unbounded(t) => t.send(op),
+        }
+    }
+}
+
 /// The host side of a stream: its queue.
+///
+/// A worker never takes a lock a host holds while it pushes, and a wait
+/// it runs names an event capture whose completion was queued before the
+/// wait was (record returns after its push): so a full queue always
+/// drains, and blocking the pusher cannot deadlock.
 #[derive(Debug)]
 pub(crate) struct SimStream {
     pub(crate) device: usize,
-    tx: Mutex<Option<mpsc::Sender<Op>>>,
+    tx: Mutex<Option<Tx>>,
 }
 
 impl SimStream {
-    pub(crate) fn new(device: usize, tx: mpsc::Sender<Op>) -> Self {
+    pub(crate) fn new(device: usize, tx: Tx) -> Self {
         SimStream {
             device,
             tx: Mutex::new(Some(tx)),
