@@ -8,13 +8,16 @@
 //! finish in time. Counts are printed with `eprintln!` (run with
 //! `--nocapture`) and recorded in docs/RELIABILITY.md.
 
+mod common;
+
+use common::watchdog;
 use gpupool::backend::sim::{SimBackend, VerifyResult};
 use gpupool::backend::{Backend, Call};
 use gpupool::{
     BackendKind, Block, DevicePool, DevicePtr, Error, PoolConfig, Runtime, SimConfig, Stream,
 };
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
@@ -24,32 +27,6 @@ const WATCHDOG: Duration = Duration::from_secs(20);
 /// of the range lands (whole multi-MiB blocks are too slow in debug).
 fn pat(size: usize) -> u64 {
     size.min(16 << 10) as u64
-}
-
-/// Runs `body` on its own thread and fails if it does not finish within
-/// `limit` (a deadlock or a hang); a panic in the body fails the test with
-/// the body's own message.
-fn watchdog(name: &str, limit: Duration, body: impl FnOnce() + Send + 'static) {
-    let (tx, rx) = mpsc::channel();
-    let h = std::thread::Builder::new()
-        .name(name.into())
-        .spawn(move || {
-            body();
-            let _ = tx.send(());
-        })
-        .unwrap();
-    match rx.recv_timeout(limit) {
-        Ok(()) => h.join().unwrap(),
-        Err(mpsc::RecvTimeoutError::Disconnected) => {
-            // The body panicked: re-raise its panic here.
-            if let Err(p) = h.join() {
-                std::panic::resume_unwind(p);
-            }
-        }
-        Err(mpsc::RecvTimeoutError::Timeout) => {
-            panic!("{name}: did not finish within {limit:?} (deadlock or hang)")
-        }
-    }
 }
 
 /// A small deterministic generator (xorshift64*).

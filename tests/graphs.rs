@@ -7,34 +7,19 @@
 //! first test checks that it does, so that the others' "zero violations"
 //! means something.
 
+mod common;
+
+use common::watchdog;
 use gpupool::backend::sim::SimBackend;
 use gpupool::backend::{Backend, Call};
 use gpupool::{DevicePool, DevicePtr, Error, PoolConfig, Runtime, SimConfig};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
-
-fn watchdog(name: &str, body: impl FnOnce() + Send + 'static) {
-    let (tx, rx) = mpsc::channel();
-    let h = std::thread::Builder::new()
-        .name(name.into())
-        .spawn(move || {
-            body();
-            let _ = tx.send(());
-        })
-        .unwrap();
-    match rx.recv_timeout(Duration::from_secs(120)) {
-        Ok(()) => h.join().unwrap(),
-        Err(mpsc::RecvTimeoutError::Disconnected) => {
-            if let Err(p) = h.join() {
-                std::panic::resume_unwind(p);
-            }
-        }
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("{name}: deadlock or hang"),
-    }
-}
+/// How long a test may run before it counts as a deadlock or hang.
+const WATCHDOG: Duration = Duration::from_secs(120);
 
 fn sim() -> Arc<SimBackend> {
     Arc::new(
@@ -103,7 +88,7 @@ fn the_simulator_counts_forbidden_calls() {
 /// made, and reusable, once the capture ends.
 #[test]
 fn nothing_forbidden_while_a_stream_captures() {
-    watchdog("capture", || {
+    watchdog("capture", WATCHDOG, || {
         let be = sim();
         let cfg = PoolConfig {
             idle_release: Some(Duration::from_millis(1)),

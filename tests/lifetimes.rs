@@ -6,6 +6,9 @@
 //! touch shows as an error) and no byte is corrupted (delayed pattern
 //! kernels). Every body runs under a watchdog.
 
+mod common;
+
+use common::watchdog;
 use gpupool::backend::sim::SimBackend;
 use gpupool::backend::Backend;
 use gpupool::{PoolConfig, Runtime, SimConfig, StreamHandle};
@@ -13,26 +16,8 @@ use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
-
-fn watchdog(name: &str, body: impl FnOnce() + Send + 'static) {
-    let (tx, rx) = mpsc::channel();
-    let h = std::thread::Builder::new()
-        .name(name.into())
-        .spawn(move || {
-            body();
-            let _ = tx.send(());
-        })
-        .unwrap();
-    match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(()) => h.join().unwrap(),
-        Err(mpsc::RecvTimeoutError::Disconnected) => {
-            if let Err(p) = h.join() {
-                std::panic::resume_unwind(p);
-            }
-        }
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("{name}: deadlock or hang"),
-    }
-}
+/// How long a test may run before it counts as a deadlock or hang.
+const WATCHDOG: Duration = Duration::from_secs(60);
 
 fn sim(capacity: u64) -> Arc<SimBackend> {
     Arc::new(
@@ -107,17 +92,17 @@ fn threads_make_streams_and_exit(record_every: usize, rounds: usize) {
 
 #[test]
 fn threads_with_recorded_streams_exit_then_trim() {
-    watchdog("recorded", || threads_make_streams_and_exit(7, 5));
+    watchdog("recorded", WATCHDOG, || threads_make_streams_and_exit(7, 5));
 }
 
 #[test]
 fn threads_exit_then_trim_twenty_times() {
-    watchdog("plain", || threads_make_streams_and_exit(0, 20));
+    watchdog("plain", WATCHDOG, || threads_make_streams_and_exit(0, 20));
 }
 
 #[test]
 fn side_stream_dropped_before_the_block_it_touched() {
-    watchdog("side", || {
+    watchdog("side", WATCHDOG, || {
         let be = sim(256 * MIB);
         let rt = runtime(&be);
         let dev = rt.device(0).unwrap();
@@ -173,7 +158,7 @@ fn side_stream_dropped_before_the_block_it_touched() {
 
 #[test]
 fn runtime_dropped_while_a_worker_thread_lives_on() {
-    watchdog("worker", || {
+    watchdog("worker", WATCHDOG, || {
         let be = sim(512 * MIB);
         let rt = Arc::new(runtime(&be));
         let (done_tx, done_rx) = mpsc::channel::<()>();
@@ -219,7 +204,7 @@ fn runtime_dropped_while_a_worker_thread_lives_on() {
 
 #[test]
 fn wrapped_foreign_stream_released_before_its_owner_destroys_it() {
-    watchdog("foreign", || {
+    watchdog("foreign", WATCHDOG, || {
         let be = sim(256 * MIB);
         let rt = runtime(&be);
         let dev = rt.device(0).unwrap();
@@ -249,7 +234,7 @@ fn wrapped_foreign_stream_released_before_its_owner_destroys_it() {
 
 #[test]
 fn per_thread_default_streams_are_one_stream_per_thread() {
-    watchdog("per-thread", || {
+    watchdog("per-thread", WATCHDOG, || {
         let be = sim(256 * MIB);
         let rt = runtime(&be);
         let dev = rt.device(0).unwrap();
@@ -315,7 +300,7 @@ fn per_thread_default_streams_are_one_stream_per_thread() {
 
 #[test]
 fn stream_retires_while_another_threads_cache_holds_its_slots() {
-    watchdog("orphans", || {
+    watchdog("orphans", WATCHDOG, || {
         let be = sim(256 * MIB);
         let rt = Runtime::with_backend(
             be.clone(),
@@ -448,7 +433,7 @@ fn devices_start_on_first_use_and_the_device_limit_holds() {
 
 #[test]
 fn a_block_recorded_on_one_threads_default_stream_is_freed_on_another() {
-    watchdog("per-thread-record", || {
+    watchdog("per-thread-record", WATCHDOG, || {
         let be = sim(256 * MIB);
         let rt = runtime(&be);
         let dev = rt.device(0).unwrap();

@@ -10,6 +10,8 @@
 #![allow(dead_code)] // each test binary uses its own part
 
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::Duration;
 
 /// Whether the tests run under CI (`CI=true`).
 pub fn in_ci() -> bool {
@@ -90,4 +92,30 @@ pub fn sim_runtime(
     )
     .unwrap();
     (rt, sim)
+}
+
+/// Runs `body` on its own thread and fails if it does not finish within
+/// `limit` (a deadlock or a hang); a panic in the body fails the test with
+/// the body's own message.
+pub fn watchdog(name: &str, limit: Duration, body: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = mpsc::channel();
+    let h = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            body();
+            let _ = tx.send(());
+        })
+        .unwrap();
+    match rx.recv_timeout(limit) {
+        Ok(()) => h.join().unwrap(),
+        Err(mpsc::RecvTimeoutError::Disconnected) => {
+            // The body panicked: re-raise its panic here.
+            if let Err(p) = h.join() {
+                std::panic::resume_unwind(p);
+            }
+        }
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            panic!("{name}: did not finish within {limit:?} (deadlock or hang)")
+        }
+    }
 }
