@@ -31,6 +31,40 @@ fn sim_of(pool: &DevicePool) -> &SimBackend {
         .expect("simulator")
 }
 
+/// Holds a stream busy (a stall) so that events recorded on it cannot
+/// complete: a check that another stream never gets memory freed on it
+/// is then free of the race with an idle stream's flush completing (after
+/// which taking the memory is correct).
+struct Busy<'a> {
+    sim: &'a SimBackend,
+    stream: gpupool::StreamHandle,
+    behind: gpupool::EventHandle,
+}
+
+impl<'a> Busy<'a> {
+    fn hold(sim: &'a SimBackend, stream: &gpupool::Stream) -> Self {
+        sim.stall_stream(0, stream.handle(), Duration::from_secs(2))
+            .unwrap();
+        let behind = sim.create_event(0).unwrap();
+        sim.record_event(0, behind, stream.handle()).unwrap();
+        Busy {
+            sim,
+            stream: stream.handle(),
+            behind,
+        }
+    }
+
+    /// Asserts the stall outlasted the checks, then waits it out.
+    fn release(self) {
+        assert!(
+            !self.sim.query_event(0, self.behind).unwrap(),
+            "the stall ended before the last check: the checks proved nothing"
+        );
+        self.sim.sync_stream(0, self.stream).unwrap();
+        self.sim.destroy_event(0, self.behind).unwrap();
+    }
+}
+
 fn three_streams(dev: &DevicePool) -> (gpupool::Stream, gpupool::Stream, gpupool::Stream) {
     (
         dev.new_stream().unwrap(),
@@ -114,11 +148,17 @@ fn blocks_are_aligned_disjoint_and_hold_data() {
     dev.audit().unwrap();
 }
 
+/// Memory freed on s1 is reused on s1 at once; while s1 still has work
+/// queued, s2 never gets it. (Once s1's work is complete, s2 may take it:
+/// the slow path flushes s1's freed memory with an event and harvests it
+/// when that event completes. An idle s1 makes that a race, so s1 is held
+/// busy by a stall for the whole test.)
 #[test]
 fn a_block_freed_on_its_stream_is_reused_at_once_there() {
     let rt = sim_runtime(1, 256 * MIB);
     let dev = rt.device(0).unwrap();
     let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let busy = Busy::hold(sim_of(dev), &s1);
     for size in [512usize, 100_000, 5 << 20] {
         let p = dev.alloc(size, &s1).unwrap().ptr();
         let again = dev.alloc(size, &s1).unwrap();
@@ -131,9 +171,10 @@ fn a_block_freed_on_its_stream_is_reused_at_once_there() {
         assert_ne!(
             other2.ptr(),
             p,
-            "s2 took memory freed on s1 without ordering"
+            "s2 took memory freed on s1 while s1 still had work queued"
         );
     }
+    busy.release();
     dev.audit().unwrap();
 }
 
@@ -146,6 +187,7 @@ fn parked_ranges_serve_slightly_shorter_requests_of_their_class() {
     let rt = sim_runtime(1, 256 * MIB);
     let dev = rt.device(0).unwrap();
     let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let busy = Busy::hold(sim_of(dev), &s1);
     // Classes of 1 MiB and up are 16 KiB wide.
     let big = (MIB + 12 * 1024) as usize;
     let p = dev.alloc(big, &s1).unwrap().ptr();
@@ -164,6 +206,7 @@ fn parked_ranges_serve_slightly_shorter_requests_of_their_class() {
     drop(shorter);
     let other = dev.alloc(MIB as usize, &s2).unwrap();
     assert_ne!(other.ptr(), p, "another stream never takes a parked range");
+    busy.release();
     drop(other);
     dev.audit().unwrap();
     assert_eq!(dev.stats().requested_bytes.current, 0);
