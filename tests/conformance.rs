@@ -841,3 +841,48 @@ fn sim_full_launch_queue_blocks_the_host_until_the_stream_drains() {
     sim.destroy_event(0, ev).unwrap();
     sim.destroy_stream(0, s).unwrap();
 }
+
+/// Sim only: an event recorded on an idle stream completes at once (no
+/// trip through the stream's worker), one recorded behind queued work only
+/// when that work has run, and a wait for a completed event is not queued:
+/// it orders nothing, so work pushed after it runs as soon as the rest of
+/// its stream allows.
+#[test]
+fn sim_records_on_idle_streams_complete_at_once_and_busy_ones_in_order() {
+    let sim = SimBackend::new(sim_config()).unwrap();
+    let (idle, busy) = (sim.create_stream(0).unwrap(), sim.create_stream(0).unwrap());
+    let (a, b) = (sim.create_event(0).unwrap(), sim.create_event(0).unwrap());
+    sim.record_event(0, a, idle).unwrap();
+    assert!(
+        sim.query_event(0, a).unwrap(),
+        "idle stream: complete at once"
+    );
+    let stall = Duration::from_millis(200);
+    sim.stall_stream(0, busy, stall).unwrap();
+    let t = Instant::now();
+    sim.record_event(0, b, busy).unwrap();
+    assert!(
+        !sim.query_event(0, b).unwrap() || t.elapsed() >= stall,
+        "an event behind a stall completed before it ended"
+    );
+    // `idle` waits for the completed `a`: nothing to wait for.
+    sim.stream_wait_event(0, idle, a).unwrap();
+    let c = sim.create_event(0).unwrap();
+    sim.record_event(0, c, idle).unwrap();
+    assert!(sim.query_event(0, c).unwrap());
+    // `idle` waits for `b`, behind the stall: its next event waits too.
+    sim.stream_wait_event(0, idle, b).unwrap();
+    sim.record_event(0, c, idle).unwrap();
+    assert!(
+        !sim.query_event(0, c).unwrap() || t.elapsed() >= stall,
+        "an event after a wait for a pending one completed early"
+    );
+    sim.sync_stream(0, idle).unwrap();
+    assert!(t.elapsed() >= stall - Duration::from_millis(20));
+    assert!(sim.query_event(0, b).unwrap() && sim.query_event(0, c).unwrap());
+    for e in [a, b, c] {
+        sim.destroy_event(0, e).unwrap();
+    }
+    sim.destroy_stream(0, idle).unwrap();
+    sim.destroy_stream(0, busy).unwrap();
+}

@@ -248,12 +248,26 @@ impl SimBackend {
             }
         };
         let exec: Arc<dyn Executor> = self.shared.clone();
+        let in_flight = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = in_flight.clone();
         let h = std::thread::Builder::new()
             .name(format!("sim-stream-{dev}"))
-            .spawn(move || stream::run_worker(dev, rx, exec))
+            .spawn(move || stream::run_worker(dev, rx, exec, counted))
             .map_err(|e| Error::backend("cuStreamCreate", e.to_string()))?;
         self.workers.lock().push(h);
-        Ok(Arc::new(SimStream::new(dev, tx)))
+        Ok(Arc::new(SimStream::new(dev, tx, in_flight)))
+    }
+
+    /// Whether an event operation on `st` may take the idle-stream
+    /// shortcuts: not in synchronous mode (which runs everything inline
+    /// anyway), not on the legacy default stream (whose pushes also order
+    /// it after the blocking streams), and not while an operation or event
+    /// delay is injected (those must be paid on the worker).
+    fn inline_ok(&self, dev: usize, st: &Arc<SimStream>) -> bool {
+        !self.cfg.sync_streams
+            && !Arc::ptr_eq(st, &self.default_streams[dev])
+            && self.shared.op_delay(dev).is_zero()
+            && self.shared.event_delay(dev).is_zero()
     }
 
     /// Queues `op` on `st`, or runs it at once in synchronous mode.
@@ -862,6 +876,9 @@ impl Backend for SimBackend {
         self.capture_check(dev, "cuEventRecord", Checked::Record(event, &st));
         self.event_fault(dev)?;
         let seq = ev.begin_record();
+        if self.inline_ok(dev, &st) && st.complete_if_idle(&ev, seq)? {
+            return Ok(());
+        }
         self.push_op(dev, &st, Op::Complete(ev, seq))
     }
 
@@ -894,6 +911,10 @@ impl Backend for SimBackend {
         self.capture_check(dev, "cuStreamWaitEvent", Checked::OnStream(&st));
         self.nth_event_fault(dev)?;
         let seq = ev.current();
+        // A wait for a completed capture orders nothing: not queued.
+        if self.inline_ok(dev, &st) && ev.is_done(seq) {
+            return st.check_open();
+        }
         self.push_op(dev, &st, Op::Wait(ev, seq))
     }
 

@@ -13,6 +13,8 @@
 use crate::backend::Move;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Release};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,6 +60,11 @@ impl SimEvent {
     pub(crate) fn is_complete(&self) -> bool {
         let s = self.state.lock();
         !s.pending.contains(&s.recorded)
+    }
+
+    /// Whether capture `seq` has completed (a capture never recorded has).
+    pub(crate) fn is_done(&self, seq: u64) -> bool {
+        !self.state.lock().pending.contains(&seq)
     }
 
     fn complete(&self, seq: u64) {
@@ -181,28 +188,58 @@ impl Tx {
 /// it runs names an event capture whose completion was queued before the
 /// wait was (record returns after its push): so a full queue always
 /// drains, and blocking the pusher cannot deadlock.
+///
+/// `in_flight` counts the operations pushed and not yet run: the worker
+/// lowers it after running each. At 0 the stream is idle, and an event
+/// recorded on it completes at once, without a trip through the queue
+/// ([`SimStream::complete_if_idle`]): on a device such a record completes
+/// within microseconds, and here it spares a thread wake-up per record.
 #[derive(Debug)]
 pub(crate) struct SimStream {
     pub(crate) device: usize,
     tx: Mutex<Option<Tx>>,
+    in_flight: Arc<AtomicUsize>,
 }
 
 impl SimStream {
-    pub(crate) fn new(device: usize, tx: Tx) -> Self {
+    /// The host side of a queue whose worker lowers `in_flight` after each
+    /// operation it runs (see [`run_worker`]).
+    pub(crate) fn new(device: usize, tx: Tx, in_flight: Arc<AtomicUsize>) -> Self {
         SimStream {
             device,
             tx: Mutex::new(Some(tx)),
+            in_flight,
         }
     }
 
     pub(crate) fn push(&self, op: Op) -> Result<()> {
         let tx = self.tx.lock();
         match tx.as_ref() {
-            Some(tx) => tx
-                .send(op)
-                .map_err(|_| Error::InvalidHandle("stream worker is gone".into())),
+            Some(tx) => {
+                self.in_flight.fetch_add(1, AcqRel);
+                tx.send(op).map_err(|_| {
+                    self.in_flight.fetch_sub(1, AcqRel);
+                    Error::InvalidHandle("stream worker is gone".into())
+                })
+            }
             None => Err(Error::InvalidHandle("stream was destroyed".into())),
         }
+    }
+
+    /// Completes capture `seq` of `ev` now if nothing is queued or running
+    /// on the stream; false: the record must be queued. Holding the queue's
+    /// lock keeps other pushes out, and the worker lowers `in_flight` only
+    /// after an operation has run, so at 0 everything queued before has.
+    pub(crate) fn complete_if_idle(&self, ev: &SimEvent, seq: u64) -> Result<bool> {
+        let tx = self.tx.lock();
+        if tx.is_none() {
+            return Err(Error::InvalidHandle("stream was destroyed".into()));
+        }
+        if self.in_flight.load(Acquire) != 0 {
+            return Ok(false);
+        }
+        ev.complete(seq);
+        Ok(true)
     }
 
     /// An error if the stream was destroyed.
@@ -230,9 +267,15 @@ pub(crate) trait Executor: Send + Sync + 'static {
 }
 
 /// The worker loop of one stream.
-pub(crate) fn run_worker(device: usize, rx: mpsc::Receiver<Op>, exec: Arc<dyn Executor>) {
+pub(crate) fn run_worker(
+    device: usize,
+    rx: mpsc::Receiver<Op>,
+    exec: Arc<dyn Executor>,
+    in_flight: Arc<AtomicUsize>,
+) {
     while let Ok(op) = rx.recv() {
         execute(device, op, &*exec);
+        in_flight.fetch_sub(1, Release);
     }
 }
 
