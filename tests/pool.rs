@@ -446,6 +446,65 @@ fn adjacent_pending_groups_serve_one_request_at_the_limit() {
     dev.audit().unwrap();
 }
 
+/// Records kept back behind a stalled stream are not walked again by
+/// every harvest: while the earliest pending event of each stream is still
+/// pending, a harvest queries that one event per stream and looks only at
+/// new records (which it releases when they are done). Once the stall
+/// ends, the next harvest releases everything.
+#[test]
+fn harvests_leave_records_behind_a_stalled_stream_alone_until_it_moves() {
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let sim = sim_of(dev);
+    let (slow, s2, s3) = three_streams(dev);
+    sim.stall_stream(0, slow.handle(), Duration::from_secs(2))
+        .unwrap();
+    let behind_stall = sim.create_event(0).unwrap();
+    sim.record_event(0, behind_stall, slow.handle()).unwrap();
+    // 40 frees (small and large) that also wait for the stalled stream.
+    for i in 0..40usize {
+        let size = if i % 2 == 0 { 4096 } else { 3 << 20 };
+        let b = dev.alloc(size, &s2).unwrap();
+        b.record_stream(&slow);
+    }
+    let kept = dev.stats().pending_bytes.current;
+    assert!(kept > 0);
+    let st0 = dev.stats();
+    for _ in 0..20 {
+        assert_eq!(dev.harvest(), 0, "nothing behind the stall can be released");
+    }
+    // A new record whose streams are idle is released without a walk of
+    // the kept ones.
+    let b = dev.alloc(3 << 20, &s2).unwrap();
+    b.record_stream(&s3);
+    drop(b);
+    sim.sync_stream(0, s2.handle()).unwrap();
+    sim.sync_stream(0, s3.handle()).unwrap();
+    assert_eq!(dev.harvest(), 1, "the new record is released");
+    let st = dev.stats();
+    assert!(
+        !sim.query_event(0, behind_stall).unwrap(),
+        "the stall ended early: the checks above proved nothing"
+    );
+    // (The allocation above may have harvested too.)
+    assert!(st.num_harvests - st0.num_harvests >= 21);
+    assert!(
+        st.num_harvest_walks - st0.num_harvest_walks <= 1,
+        "{} of 21 harvests walked every record",
+        st.num_harvest_walks - st0.num_harvest_walks
+    );
+    assert_eq!(
+        st.pending_bytes.current, kept,
+        "the kept records stay pending"
+    );
+    // The stall ends: one harvest releases every kept record.
+    sim.sync_stream(0, slow.handle()).unwrap();
+    assert_eq!(dev.harvest(), 40);
+    assert_eq!(dev.stats().pending_bytes.current, 0);
+    sim.destroy_event(0, behind_stall).unwrap();
+    dev.audit().unwrap();
+}
+
 #[test]
 fn record_stream_holds_memory_back_until_the_other_stream_is_done() {
     // Without handover: a pending block goes to no stream until harvested.

@@ -111,27 +111,46 @@ impl Mark {
 }
 
 /// What one harvest pass learned: per stream order, the earliest event
-/// found pending.
+/// found pending (with its handle, so that the next harvest can ask
+/// whether it completed: see `HarvestGate`), and whether an event without
+/// a mark was found pending.
 #[derive(Debug, Default)]
 pub(crate) struct Progress {
-    pending: SmallVec<[(*const EventOrder, u64); 8]>,
+    pending: SmallVec<[(Mark, EventHandle); 8]>,
+    /// An unmarked event was found pending: its completion says nothing
+    /// about any stream's order, so only a full pass can notice it.
+    pub(crate) unmarked_pending: bool,
 }
 
 impl Progress {
     /// Whether an earlier event of the same stream was found pending in
     /// this pass (so this one is pending too).
     pub(crate) fn known_pending(&self, m: &Mark) -> bool {
-        let key = Arc::as_ptr(&m.order);
-        self.pending.iter().any(|&(k, s)| k == key && s <= m.seq)
+        self.pending
+            .iter()
+            .any(|(p, _)| Arc::ptr_eq(&p.order, &m.order) && p.seq <= m.seq)
     }
 
-    /// A query found the event pending.
-    pub(crate) fn note_pending(&mut self, m: &Mark) {
-        let key = Arc::as_ptr(&m.order);
-        match self.pending.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, s)) => *s = (*s).min(m.seq),
-            None => self.pending.push((key, m.seq)),
+    /// A query found the event `ev` (numbered `m`) pending.
+    pub(crate) fn note_pending(&mut self, m: &Mark, ev: EventHandle) {
+        match self
+            .pending
+            .iter_mut()
+            .find(|(p, _)| Arc::ptr_eq(&p.order, &m.order))
+        {
+            Some(entry) => {
+                if m.seq < entry.0.seq {
+                    *entry = (m.clone(), ev);
+                }
+            }
+            None => self.pending.push((m.clone(), ev)),
         }
+    }
+
+    /// Per stream, the earliest event found pending: nothing the pass kept
+    /// back can be released before one of these completes.
+    pub(crate) fn into_earliest_pending(self) -> SmallVec<[(Mark, EventHandle); 8]> {
+        self.pending
     }
 }
 
@@ -179,7 +198,7 @@ impl Sweep {
                     evs[i].1.completed();
                     *lo = i + 1;
                 } else {
-                    progress.note_pending(&evs[i].1);
+                    progress.note_pending(&evs[i].1, evs[i].0);
                     *hi = i;
                 }
             };
@@ -248,12 +267,23 @@ mod tests {
         );
         let (a1, a2, a3, b1) = (mark(&a, 1), mark(&a, 2), mark(&a, 3), mark(&b, 4));
         let mut p = Progress::default();
-        p.note_pending(&a2);
+        p.note_pending(&a2, EventHandle(2));
         assert!(!p.known_pending(&a1), "an earlier event may have completed");
         assert!(p.known_pending(&a2) && p.known_pending(&a3));
         assert!(!p.known_pending(&b1));
-        p.note_pending(&a1);
+        p.note_pending(&a3, EventHandle(3));
+        p.note_pending(&a1, EventHandle(1));
         assert!(p.known_pending(&a1));
+        let earliest: Vec<(u64, EventHandle)> = p
+            .into_earliest_pending()
+            .iter()
+            .map(|(m, e)| (m.seq, *e))
+            .collect();
+        assert_eq!(
+            earliest,
+            vec![(a1.seq, EventHandle(1))],
+            "one per stream, the earliest"
+        );
     }
 
     /// A stream of `n` events of which the first `done` completed; returns

@@ -59,7 +59,7 @@ impl PoolShared {
                 self.slabs.push_dirty_many(class, s, &d);
             }
         }
-        let records = self.pending.take_all();
+        let records = self.take_pending_records();
         for p in &records {
             match p {
                 Pending::Slots {

@@ -69,7 +69,7 @@ impl PoolShared {
         };
         if flush_others {
             self.reclaim();
-        } else if !self.pending.is_empty() {
+        } else if !self.no_pending() {
             self.harvest();
         }
         {
@@ -442,6 +442,9 @@ impl PoolShared {
                 if let Some(w) = h.group_events.remove(&id) {
                     self.recycle_events(w);
                 }
+                // Its record, still listed, is now done: the next harvest
+                // must walk (see `HarvestGate`).
+                self.kept.touch();
             }
         }
     }

@@ -120,6 +120,11 @@ pub(crate) struct PoolShared {
     /// Slab base address -> slab id, for raw frees.
     slab_index: slab_index::SlabIndex,
     pending: PendingList<Pending>,
+    /// Records harvests kept back (see `reclaim.rs`).
+    kept: reclaim::KeptRecords,
+    /// What the last harvest learned of the kept records; held for a whole
+    /// harvest pass, so passes run one at a time.
+    harvest_gate: Mutex<reclaim::HarvestGate>,
     /// Idle events for reuse (a slow-path pool; a mutex is fine here).
     event_pool: Mutex<Vec<EventHandle>>,
     streams: StreamRegistry,
@@ -266,6 +271,8 @@ impl DevicePool {
             }),
             slab_index: slab_index::SlabIndex::new(reservation),
             pending: PendingList::new(),
+            kept: reclaim::KeptRecords::default(),
+            harvest_gate: Mutex::default(),
             event_pool: Mutex::new(Vec::new()),
             streams: StreamRegistry::new(),
             counters: Counters::new(),

@@ -90,6 +90,14 @@ pub struct PoolStats {
     pub num_pending_frees: u64,
     /// Pending blocks handed to another stream with a stream-wait-event.
     pub num_handovers: u64,
+    /// Harvests that found pending records. Diagnostics, as
+    /// `heap_lock_acquisitions` is.
+    #[serde(skip_serializing)]
+    pub num_harvests: u64,
+    /// Of those, the ones that walked the records; the rest were skipped,
+    /// as nothing could have completed since the last walk (`HarvestGate`).
+    #[serde(skip_serializing)]
+    pub num_harvest_walks: u64,
     /// Host-blocking syncs made on this device so far (by anyone).
     pub host_syncs: u64,
     /// `(reserved - requested) / reserved`, 0 when nothing is reserved.
@@ -173,6 +181,8 @@ pub(crate) struct Counters {
     pub oom_host_syncs: AtomicU64,
     pub pending_frees: AtomicU64,
     pub handovers: AtomicU64,
+    pub harvests: AtomicU64,
+    pub harvest_walks: AtomicU64,
     pub grown: AtomicU64,
     /// Bytes of small slots on the pending list.
     pub pending_slot_bytes: AtomicU64,
@@ -201,6 +211,8 @@ impl Counters {
             oom_host_syncs: AtomicU64::new(0),
             pending_frees: AtomicU64::new(0),
             handovers: AtomicU64::new(0),
+            harvests: AtomicU64::new(0),
+            harvest_walks: AtomicU64::new(0),
             grown: AtomicU64::new(0),
             pending_slot_bytes: AtomicU64::new(0),
             window_peak_active: AtomicU64::new(0),
@@ -383,6 +395,8 @@ impl Counters {
             oom_host_syncs: self.oom_host_syncs.load(Relaxed),
             num_pending_frees: self.pending_frees.load(Relaxed),
             num_handovers: self.handovers.load(Relaxed),
+            num_harvests: self.harvests.load(Relaxed),
+            num_harvest_walks: self.harvest_walks.load(Relaxed),
             fragmentation: if f.reserved == 0 {
                 0.0
             } else {

@@ -55,7 +55,7 @@ impl PoolShared {
             let mut h = self.heap.lock();
             h.heap.teardown();
             h.exact = exact::ExactCache::default();
-            for p in self.pending.take_all() {
+            for p in self.take_pending_records() {
                 match p {
                     Pending::Slots { waits, .. } | Pending::Orphans { waits, .. } => {
                         self.recycle_events(waits)
