@@ -70,7 +70,7 @@ impl PoolShared {
         if flush_others {
             self.reclaim();
         } else if !self.no_pending() {
-            self.harvest();
+            self.try_harvest();
         }
         {
             let mut h = self.heap.lock();

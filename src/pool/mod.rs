@@ -607,7 +607,7 @@ impl PoolShared {
     fn alloc_small_slow(&self, class: usize, size: u64, stream: &Stream) -> Result<u32> {
         let slot = stream.slot().map(usize::from);
         self.detect_capture(stream);
-        self.harvest();
+        self.try_harvest();
         if let Some(i) = self.slabs.pop(class, slot) {
             return Ok(i);
         }

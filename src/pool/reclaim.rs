@@ -116,7 +116,23 @@ impl PoolShared {
         if self.capture.underway() {
             return 0;
         }
-        let mut gate = self.harvest_gate.lock();
+        self.harvest_with(self.harvest_gate.lock())
+    }
+
+    /// [`PoolShared::harvest`] unless another thread is harvesting (then
+    /// 0 at once): for the allocation paths, which look for memory and
+    /// need not wait for a pass that another thread runs anyway.
+    pub(super) fn try_harvest(&self) -> usize {
+        if self.capture.underway() {
+            return 0;
+        }
+        match self.harvest_gate.try_lock() {
+            Some(gate) => self.harvest_with(gate),
+            None => 0,
+        }
+    }
+
+    fn harvest_with(&self, mut gate: parking_lot::MutexGuard<'_, HarvestGate>) -> usize {
         let mut released = self.harvest_quarantine(&mut Progress::default());
         if self.no_pending() {
             return released;
