@@ -505,6 +505,72 @@ fn harvests_leave_records_behind_a_stalled_stream_alone_until_it_moves() {
     dev.audit().unwrap();
 }
 
+/// A stream's flush puts its dirty slots of every class behind one event
+/// (not one per class), and a stream that takes that record by handover
+/// gets every class's slots as its own.
+#[test]
+fn a_flush_records_one_event_for_all_classes_and_hands_them_over_together() {
+    let rt = Runtime::builder()
+        .backend(BackendKind::Sim(SimConfig {
+            capacity_bytes: 256 * MIB,
+            ..Default::default()
+        }))
+        // Frees go to the stream's dirty stacks, not a thread's magazine.
+        .config(PoolConfig::parse("thread_cache=false").unwrap())
+        .maintenance(false)
+        .build()
+        .unwrap();
+    let dev = rt.device(0).unwrap();
+    let be = dev.backend();
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let sizes = [4096usize, 8192, 16384];
+    let mut freed = Vec::new();
+    for &size in &sizes {
+        let b = dev.alloc(size, &s1).unwrap();
+        freed.push(b.ptr());
+    }
+    // Now dirty on s1, in three classes. A stall keeps the flush's event
+    // pending, so the memory can only move to s2 by handover.
+    sim_of(dev)
+        .stall_stream(0, s1.handle(), Duration::from_millis(300))
+        .unwrap();
+    // Fill s2's view of the device: the limit is what is reserved now, so
+    // s2 cannot grow and must take s1's slots.
+    dev.set_memory_limit(Some(dev.stats().reserved_bytes.current))
+        .unwrap();
+    let records = be.counters().get(gpupool::backend::Call::EventRecord);
+    let handovers = dev.stats().num_handovers;
+    let mut got = Vec::new();
+    let mut held = Vec::new();
+    for &size in &sizes {
+        // Take every clean slot of the class first, then one more.
+        loop {
+            let b = dev.alloc(size, &s2).unwrap();
+            let p = b.ptr();
+            held.push(b);
+            if freed.contains(&p) {
+                got.push(p);
+                break;
+            }
+        }
+    }
+    assert_eq!(got.len(), 3, "s2 got s1's slot of every class");
+    assert_eq!(
+        dev.stats().num_handovers - handovers,
+        1,
+        "one handover brought all three classes"
+    );
+    assert_eq!(
+        be.counters().get(gpupool::backend::Call::EventRecord) - records,
+        1,
+        "one event for s1's three classes"
+    );
+    drop(held);
+    sim_of(dev).sync_stream(0, s1.handle()).unwrap();
+    dev.set_memory_limit(None).unwrap();
+    dev.audit().unwrap();
+}
+
 #[test]
 fn record_stream_holds_memory_back_until_the_other_stream_is_done() {
     // Without handover: a pending block goes to no stream until harvested.

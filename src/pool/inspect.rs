@@ -79,7 +79,7 @@ impl PoolShared {
                     }
                     c.pending_bytes += b;
                 }
-                Pending::Orphans { parts, bytes, .. } => {
+                Pending::Classes { parts, bytes, .. } => {
                     let mut b = 0;
                     for (class, slots) in parts {
                         b += slots.len() as u64 * self.slabs.classes.size_of(*class as usize);

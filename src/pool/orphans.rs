@@ -105,7 +105,7 @@ impl PoolShared {
             .map(|(c, v)| v.len() as u64 * self.slabs.classes.size_of(*c as usize))
             .sum();
         self.counters.pending_frees.fetch_add(1, Relaxed);
-        self.pending.push(Pending::Orphans {
+        self.pending.push(Pending::Classes {
             parts,
             waits,
             bytes,

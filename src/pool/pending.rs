@@ -29,12 +29,14 @@ pub(crate) enum Pending {
         /// Slot bytes held back.
         bytes: u64,
     },
-    /// Slots of several classes that other threads' magazines held for a
-    /// stream when it retired (see `orphans.rs`).
-    Orphans {
+    /// Slots of several classes behind the same events: a stream's flush
+    /// (its dirty slots of every class, one event) or the slots that other
+    /// threads' magazines held for a stream when it retired (see
+    /// `orphans.rs`).
+    Classes {
         /// Slot indices by class.
         parts: Vec<(u16, Vec<u32>)>,
-        /// The retired stream's tomb event.
+        /// What must complete first.
         waits: Waits,
         /// Slot bytes held back.
         bytes: u64,

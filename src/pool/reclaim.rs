@@ -59,7 +59,7 @@ impl PoolShared {
         let mut groups = false;
         for p in records {
             match p {
-                Pending::Slots { waits, .. } | Pending::Orphans { waits, .. } => note(waits),
+                Pending::Slots { waits, .. } | Pending::Classes { waits, .. } => note(waits),
                 Pending::Group { .. } => groups = true,
             }
         }
@@ -177,7 +177,7 @@ impl PoolShared {
                         });
                     }
                 }
-                Pending::Orphans {
+                Pending::Classes {
                     parts,
                     waits,
                     bytes,
@@ -190,7 +190,7 @@ impl PoolShared {
                         self.recycle_events(waits);
                         released += 1;
                     } else {
-                        kept.push(Pending::Orphans {
+                        kept.push(Pending::Classes {
                             parts,
                             waits,
                             bytes,
@@ -312,6 +312,41 @@ impl PoolShared {
                     self.slabs.push_dirty_many(class, slot, rest);
                     return Some(*first);
                 }
+                // A flush's record of several classes: the stream waits
+                // once and takes them all (as its own dirty slots).
+                Pending::Classes {
+                    parts,
+                    waits,
+                    bytes,
+                } if parts.iter().any(|(c, _)| *c as usize == class) && usable(&waits) => {
+                    if let Err(e) = self.wait_on(stream, &waits) {
+                        tracing::warn!(device = self.dev, "handover failed: {e}");
+                        self.pending.push(Pending::Classes {
+                            parts,
+                            waits,
+                            bytes,
+                        });
+                        continue;
+                    }
+                    self.counters.pending_slot_bytes.fetch_sub(bytes, Relaxed);
+                    self.counters.handovers.fetch_add(1, Relaxed);
+                    self.recycle_events(waits);
+                    for other in records {
+                        self.pending.push(other);
+                    }
+                    let mut first = None;
+                    for (c, slots) in parts {
+                        let mut slots = &slots[..];
+                        if c as usize == class && first.is_none() {
+                            if let Some((f, rest)) = slots.split_first() {
+                                first = Some(*f);
+                                slots = rest;
+                            }
+                        }
+                        self.slabs.push_dirty_many(c as usize, slot, slots);
+                    }
+                    return first;
+                }
                 other => self.pending.push(other),
             }
         }
@@ -322,10 +357,30 @@ impl PoolShared {
     /// with one event recorded on that stream, so that other streams can
     /// reuse it once the event completes.
     pub(super) fn flush_slot(&self, slot: usize, core: &Arc<StreamCore>) {
-        for class in 0..self.slabs.classes.len() {
-            let idxs = self.slabs.take_dirty(class, slot);
-            if !idxs.is_empty() {
-                self.park_slots(class, idxs, core, &[]);
+        // Every class's dirty slots behind one event.
+        let parts: Vec<(u16, Vec<u32>)> = (0..self.slabs.classes.len())
+            .map(|class| (class as u16, self.slabs.take_dirty(class, slot)))
+            .filter(|(_, idxs)| !idxs.is_empty())
+            .collect();
+        match parts.len() {
+            0 => {}
+            1 => {
+                let (class, idxs) = parts.into_iter().next().expect("one part");
+                self.park_slots(class as usize, idxs, core, &[]);
+            }
+            _ => {
+                let bytes = parts
+                    .iter()
+                    .map(|(c, v)| v.len() as u64 * self.slabs.classes.size_of(*c as usize))
+                    .sum();
+                let waits = self.record_events(core, &[]);
+                self.counters.pending_slot_bytes.fetch_add(bytes, Relaxed);
+                self.counters.pending_frees.fetch_add(1, Relaxed);
+                self.pending.push(Pending::Classes {
+                    parts,
+                    waits,
+                    bytes,
+                });
             }
         }
         let mut h = self.heap.lock();
@@ -482,7 +537,7 @@ impl PoolShared {
         let mut result = Ok(());
         for p in records {
             let r = match &p {
-                Pending::Slots { waits, .. } | Pending::Orphans { waits, .. } => sync(waits),
+                Pending::Slots { waits, .. } | Pending::Classes { waits, .. } => sync(waits),
                 Pending::Group { id } => {
                     let h = self.heap.lock();
                     let w = h.group_events.get(id).cloned().unwrap_or_default();
@@ -537,13 +592,13 @@ impl PoolShared {
                     bytes,
                 }
             }
-            Pending::Orphans {
+            Pending::Classes {
                 parts,
                 mut waits,
                 bytes,
             } => {
                 waits.unrecorded.clear();
-                Pending::Orphans {
+                Pending::Classes {
                     parts,
                     waits,
                     bytes,

@@ -57,7 +57,7 @@ impl PoolShared {
             h.exact = exact::ExactCache::default();
             for p in self.take_pending_records() {
                 match p {
-                    Pending::Slots { waits, .. } | Pending::Orphans { waits, .. } => {
+                    Pending::Slots { waits, .. } | Pending::Classes { waits, .. } => {
                         self.recycle_events(waits)
                     }
                     Pending::Group { .. } => {}
