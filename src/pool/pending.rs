@@ -35,7 +35,7 @@ pub(crate) enum Pending {
     /// `orphans.rs`).
     Classes {
         /// Slot indices by class.
-        parts: Vec<(u16, Vec<u32>)>,
+        parts: SlotParts,
         /// What must complete first.
         waits: Waits,
         /// Slot bytes held back.
@@ -47,6 +47,37 @@ pub(crate) enum Pending {
         /// The heap's pending group id.
         id: u32,
     },
+}
+
+/// Small slots by size class.
+pub(crate) type SlotParts = Vec<(u16, Vec<u32>)>;
+
+impl Pending {
+    /// The waits of a record of small slots.
+    pub(crate) fn slot_waits(&self) -> Option<&Waits> {
+        match self {
+            Pending::Slots { waits, .. } | Pending::Classes { waits, .. } => Some(waits),
+            Pending::Group { .. } => None,
+        }
+    }
+
+    /// A record of small slots as its slots by class, waits and bytes.
+    pub(crate) fn into_slot_parts(self) -> Option<(SlotParts, Waits, u64)> {
+        match self {
+            Pending::Slots {
+                class,
+                slots,
+                waits,
+                bytes,
+            } => Some((vec![(class, slots)], waits, bytes)),
+            Pending::Classes {
+                parts,
+                waits,
+                bytes,
+            } => Some((parts, waits, bytes)),
+            Pending::Group { .. } => None,
+        }
+    }
 }
 
 /// What a pending record waits for.

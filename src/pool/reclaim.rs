@@ -285,70 +285,46 @@ impl PoolShared {
         let slot = stream.slot()? as usize;
         let mut records = self.take_pending_records().into_iter();
         while let Some(p) = records.next() {
-            match p {
+            let fits = match &p {
                 Pending::Slots {
-                    class: c,
-                    slots,
-                    waits,
-                    bytes,
-                } if c as usize == class && usable(&waits) => {
-                    if let Err(e) = self.wait_on(stream, &waits) {
-                        tracing::warn!(device = self.dev, "handover failed: {e}");
-                        self.pending.push(Pending::Slots {
-                            class: c,
-                            slots,
-                            waits,
-                            bytes,
-                        });
-                        continue;
-                    }
-                    self.counters.pending_slot_bytes.fetch_sub(bytes, Relaxed);
-                    self.counters.handovers.fetch_add(1, Relaxed);
-                    self.recycle_events(waits);
-                    for other in records {
-                        self.pending.push(other);
-                    }
-                    let (first, rest) = slots.split_first()?;
-                    self.slabs.push_dirty_many(class, slot, rest);
-                    return Some(*first);
-                }
+                    class: c, waits, ..
+                } => *c as usize == class && usable(waits),
                 // A flush's record of several classes: the stream waits
                 // once and takes them all (as its own dirty slots).
-                Pending::Classes {
-                    parts,
-                    waits,
-                    bytes,
-                } if parts.iter().any(|(c, _)| *c as usize == class) && usable(&waits) => {
-                    if let Err(e) = self.wait_on(stream, &waits) {
-                        tracing::warn!(device = self.dev, "handover failed: {e}");
-                        self.pending.push(Pending::Classes {
-                            parts,
-                            waits,
-                            bytes,
-                        });
-                        continue;
-                    }
-                    self.counters.pending_slot_bytes.fetch_sub(bytes, Relaxed);
-                    self.counters.handovers.fetch_add(1, Relaxed);
-                    self.recycle_events(waits);
-                    for other in records {
-                        self.pending.push(other);
-                    }
-                    let mut first = None;
-                    for (c, slots) in parts {
-                        let mut slots = &slots[..];
-                        if c as usize == class && first.is_none() {
-                            if let Some((f, rest)) = slots.split_first() {
-                                first = Some(*f);
-                                slots = rest;
-                            }
-                        }
-                        self.slabs.push_dirty_many(c as usize, slot, slots);
-                    }
-                    return first;
+                Pending::Classes { parts, waits, .. } => {
+                    parts.iter().any(|(c, _)| *c as usize == class) && usable(waits)
                 }
-                other => self.pending.push(other),
+                Pending::Group { .. } => false,
+            };
+            if !fits {
+                self.pending.push(p);
+                continue;
             }
+            let waits = p.slot_waits().expect("a slots record");
+            if let Err(e) = self.wait_on(stream, waits) {
+                tracing::warn!(device = self.dev, "handover failed: {e}");
+                self.pending.push(p);
+                continue;
+            }
+            let (parts, waits, bytes) = p.into_slot_parts().expect("a slots record");
+            self.counters.pending_slot_bytes.fetch_sub(bytes, Relaxed);
+            self.counters.handovers.fetch_add(1, Relaxed);
+            self.recycle_events(waits);
+            for other in records {
+                self.pending.push(other);
+            }
+            let mut first = None;
+            for (c, slots) in parts {
+                let mut slots = &slots[..];
+                if c as usize == class && first.is_none() {
+                    if let Some((f, rest)) = slots.split_first() {
+                        first = Some(*f);
+                        slots = rest;
+                    }
+                }
+                self.slabs.push_dirty_many(c as usize, slot, slots);
+            }
+            return first;
         }
         None
     }
