@@ -4,8 +4,10 @@
 //!
 //! Slots in a magazine are exactly like slots on that stream's dirty stack
 //! (freed on that stream, reusable by it alone), only invisible to other
-//! threads. A thread keeps magazines for its two most recent streams; the
-//! older one is emptied into its stream's dirty stacks when a third stream
+//! threads. A thread keeps magazines for its [`WAYS`] most recently freed-on
+//! streams (a server thread takes requests for many streams in turn: with
+//! two, it emptied and rebuilt a magazine on almost every free); the least
+//! recent is emptied into its stream's dirty stacks when another stream
 //! comes along, and all are emptied when the thread exits, before a trim or
 //! an audit on this thread, when the pool reclaims on this thread, and when
 //! the pool is dropped on this thread. `thread_cache=false` turns magazines
@@ -33,6 +35,9 @@ use std::sync::{Arc, Weak};
 /// Slots per class per magazine.
 pub(crate) const CAP: usize = 16;
 
+/// Magazines per thread, most recently freed-on stream first.
+const WAYS: usize = 4;
+
 /// One class's slots.
 #[derive(Debug, Clone, Copy)]
 struct Rack {
@@ -49,7 +54,7 @@ struct Magazine {
 }
 
 thread_local! {
-    static MAGS: RefCell<[Option<Magazine>; 2]> = const { RefCell::new([None, None]) };
+    static MAGS: RefCell<[Option<Magazine>; WAYS]> = const { RefCell::new([const { None }; WAYS]) };
 }
 
 impl Magazine {
@@ -166,14 +171,16 @@ pub(crate) fn put(stream: &Stream, class: usize, idx: u32) -> bool {
         };
         let mut evicted = None;
         if !same(&m[0], stream) {
-            if same(&m[1], stream) {
-                m.swap(0, 1);
-            } else {
-                // The older magazine is emptied (by its Drop, outside the
-                // borrow) to make room.
-                evicted = m[1].take();
-                m[1] = m[0].take();
-                m[0] = Some(Magazine::new(stream));
+            match m.iter().position(|w| same(w, stream)) {
+                // To the front, the others one down.
+                Some(i) => m[..=i].rotate_right(1),
+                None => {
+                    // The least recent magazine is emptied (by its Drop,
+                    // outside the borrow) to make room.
+                    evicted = m[WAYS - 1].take();
+                    m.rotate_right(1);
+                    m[0] = Some(Magazine::new(stream));
+                }
             }
         }
         let pool = &stream.inner.pool;
