@@ -3,10 +3,11 @@
 //! Threads on several streams each hold up to ten blocks of 1–64 MiB on a
 //! 1 GiB device, a fifth of them used on the thread's second stream too
 //! (`record_stream`), with late kernels queued on both streams so that
-//! frees really wait. An out-of-memory error is *false* when the bytes
-//! live at that moment plus the request fit in the device with room to
-//! spare for what other threads may have in flight (one largest block
-//! each) and for granule rounding. Every false one is a bug.
+//! frees really wait. An out-of-memory error is *false* when the most
+//! bytes live at any moment of the failing call plus the request fit in
+//! the device with room to spare for what other threads may have in
+//! flight (one largest block each) and for granule rounding. Every false
+//! one is a bug.
 
 use gpupool::backend::sim::SimBackend;
 use gpupool::{Error, PoolConfig, Runtime, SimConfig};
@@ -36,6 +37,27 @@ struct Tally {
     false_ooms: AtomicU64,
     live: AtomicU64,
     peak_live: AtomicU64,
+    /// Per thread, the most bytes live since its current call began (the
+    /// failing call's wait may span many other threads' allocations).
+    windows: Vec<AtomicU64>,
+}
+
+impl Tally {
+    fn new(threads: u64) -> Tally {
+        Tally {
+            windows: (0..threads).map(|_| AtomicU64::new(0)).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Counts `size` bytes more live.
+    fn add(&self, size: u64) {
+        let now = self.live.fetch_add(size, SeqCst) + size;
+        self.peak_live.fetch_max(now, SeqCst);
+        for w in &self.windows {
+            w.fetch_max(now, SeqCst);
+        }
+    }
 }
 
 fn run(seed: u64, threads: u64, per_thread: usize) -> Arc<Tally> {
@@ -49,7 +71,7 @@ fn run(seed: u64, threads: u64, per_thread: usize) -> Arc<Tally> {
     );
     let rt = Runtime::with_backend(be.clone(), PoolConfig::default()).unwrap();
     let dev = rt.device(0).unwrap();
-    let tally = Arc::new(Tally::default());
+    let tally = Arc::new(Tally::new(threads));
     std::thread::scope(|sc| {
         for t in 0..threads {
             let (tally, be) = (tally.clone(), be.clone());
@@ -67,12 +89,12 @@ fn run(seed: u64, threads: u64, per_thread: usize) -> Arc<Tally> {
                         continue;
                     }
                     let size = MIB + rng.next() % (MAX_BLOCK - MIB);
-                    let live_before = tally.live.load(SeqCst);
+                    let window = &tally.windows[t as usize];
+                    window.store(tally.live.load(SeqCst), SeqCst);
                     match dev.alloc(size as usize, &a) {
                         Ok(blk) => {
                             tally.allocs.fetch_add(1, SeqCst);
-                            let now = tally.live.fetch_add(size, SeqCst) + size;
-                            tally.peak_live.fetch_max(now, SeqCst);
+                            tally.add(size);
                             // A late kernel on the block's stream, and on the
                             // second stream for a fifth of them.
                             be.stall_stream(0, a.handle(), Duration::from_micros(200))
@@ -86,7 +108,7 @@ fn run(seed: u64, threads: u64, per_thread: usize) -> Arc<Tally> {
                         }
                         Err(Error::OutOfMemory(report)) => {
                             tally.ooms.fetch_add(1, SeqCst);
-                            let live = live_before.max(tally.live.load(SeqCst));
+                            let live = window.load(SeqCst);
                             let slack = (threads - 1) * MAX_BLOCK + 16 * MIB;
                             if live + size + slack <= CAPACITY {
                                 tally.false_ooms.fetch_add(1, SeqCst);

@@ -249,7 +249,7 @@ impl PoolShared {
             if let Some(t) = h.heap.alloc_backed(bytes, bytes, None) {
                 return Ok(t.addr);
             }
-            Self::unpark(&mut h);
+            self.unpark(&mut h);
             // No stream slot: only clean memory, never aliased granules.
             match h.heap.alloc(bytes, bytes, None, false) {
                 Ok(t) => {

@@ -49,34 +49,26 @@ fn class_of(len: u64) -> u32 {
     (fl - CLASS_BITS + 1) * (1 << CLASS_BITS) + sub
 }
 
-/// Parked ranges `(len, addr)` by stream slot and class, oldest first.
+/// One stream's parked ranges `(len, addr)` by class, oldest first, with
+/// a bitmap of the non-empty classes so that giving everything back visits
+/// only those (a large block's class is in the thousands). Each stream's
+/// lists sit under that stream's own lock (`stream_large.rs`).
 ///
-/// The lists are dense arrays, `slots[slot][class]`, grown on demand: a
-/// take or a park indexes them directly, and a miss looks at the next
-/// classes' lists, which sit beside its own (a hash map keyed by
-/// `(slot, class)` paid a probe and a likely cache miss for each).
+/// The lists are dense arrays, `lists[class]`, grown on demand: a take or
+/// a park indexes them directly, and a miss looks at the next classes'
+/// lists, which sit beside its own (a hash map keyed by `(slot, class)`
+/// paid a probe and a likely cache miss for each).
 #[derive(Debug, Default)]
-pub(crate) struct ExactCache {
-    slots: Vec<SlotLists>,
-    /// Ranges parked.
-    count: usize,
-    /// Bytes parked.
-    pub bytes: u64,
-    /// One slot's addresses while [`ExactCache::drain_sorted`] hands them
-    /// over (kept for its capacity).
-    scratch: Vec<u64>,
-}
-
-/// One stream slot's class lists, with a bitmap of the non-empty ones so
-/// that giving everything back visits only those (a large block's class
-/// is in the thousands).
-#[derive(Debug, Default)]
-struct SlotLists {
+pub(crate) struct ParkedLists {
     lists: Vec<Vec<(u64, u64)>>,
     nonempty: Vec<u64>,
+    /// Ranges parked.
+    pub(crate) count: usize,
+    /// Bytes parked.
+    pub(crate) bytes: u64,
 }
 
-impl SlotLists {
+impl ParkedLists {
     /// The newest range of class `c`, if any.
     #[inline]
     fn pop(&mut self, c: usize) -> Option<(u64, u64)> {
@@ -93,18 +85,49 @@ impl SlotLists {
         }
     }
 
+    /// Parks a range of `len` bytes at `addr`.
     #[inline]
-    fn push(&mut self, c: usize, r: (u64, u64)) {
+    pub(crate) fn put(&mut self, len: u64, addr: u64) {
+        let c = class_of(len) as usize;
         if self.lists.len() <= c {
             self.lists.resize_with(c + 1, Vec::new);
             self.nonempty.resize((c + 1).div_ceil(64), 0);
         }
-        self.lists[c].push(r);
+        self.lists[c].push((len, addr));
         self.nonempty[c / 64] |= 1 << (c % 64);
+        self.count += 1;
+        self.bytes += len;
     }
 
-    /// Empties every list (keeping its capacity), passing each range to `f`.
-    fn drain_each(&mut self, mut f: impl FnMut(u64, u64)) {
+    /// A parked range of `len` bytes or a little more (its class or one of
+    /// the next [`NEXT_CLASSES`]): `(addr, its length)`.
+    #[inline]
+    pub(crate) fn take(&mut self, len: u64) -> Option<(u64, u64)> {
+        let class = class_of(len) as usize;
+        let own = self
+            .lists
+            .get_mut(class)
+            .and_then(|v| take_in_class(v, len));
+        let hit = match own {
+            Some(hit) => {
+                self.note_taken(class);
+                hit
+            }
+            // Every range of a higher class is longer than `len`: the newest.
+            None => (class + 1..=class + NEXT_CLASSES as usize).find_map(|c| self.pop(c))?,
+        };
+        self.count -= 1;
+        self.bytes -= hit.0;
+        Some((hit.1, hit.0))
+    }
+
+    /// Empties every list, passing each range to `f` as `(len, addr)`. The
+    /// class lists keep their capacity: a cache emptied this way refills
+    /// at once (freeing every list made each refill regrow hundreds of
+    /// vectors, 4% of the instructions of random_allocations).
+    pub(crate) fn drain_each(&mut self, mut f: impl FnMut(u64, u64)) {
+        self.count = 0;
+        self.bytes = 0;
         for w in 0..self.nonempty.len() {
             let mut bits = std::mem::take(&mut self.nonempty[w]);
             while bits != 0 {
@@ -116,108 +139,10 @@ impl SlotLists {
             }
         }
     }
-}
-
-impl ExactCache {
-    /// A parked range of `len` bytes or a little more (its class or one of
-    /// the next [`NEXT_CLASSES`]), freed on `slot`: `(addr, its length)`.
-    #[inline]
-    pub(crate) fn take(&mut self, slot: u16, len: u64) -> Option<(u64, u64)> {
-        let class = class_of(len) as usize;
-        let sl = self.slots.get_mut(slot as usize)?;
-        let own = sl.lists.get_mut(class).and_then(|v| take_in_class(v, len));
-        let hit = match own {
-            Some(hit) => {
-                sl.note_taken(class);
-                hit
-            }
-            // Every range of a higher class is longer than `len`: the newest.
-            None => (class + 1..=class + NEXT_CLASSES as usize).find_map(|c| sl.pop(c))?,
-        };
-        self.bytes -= hit.0;
-        self.count -= 1;
-        Some((hit.1, hit.0))
-    }
-
-    /// Parks a range of `len` bytes freed on `slot`.
-    #[inline]
-    pub(crate) fn put(&mut self, slot: u16, len: u64, addr: u64) {
-        let slot = slot as usize;
-        if self.slots.len() <= slot {
-            self.slots.resize_with(slot + 1, SlotLists::default);
-        }
-        self.slots[slot].push(class_of(len) as usize, (len, addr));
-        self.bytes += len;
-        self.count += 1;
-    }
-
-    /// Removes every parked range, passing each to `f` as
-    /// `(slot, len, addr)` (the pool gives ranges back with
-    /// [`ExactCache::drain_sorted`]). The class lists keep their capacity: a cache
-    /// emptied this way refills at once (freeing every list made each
-    /// refill regrow hundreds of vectors, 4% of the instructions of
-    /// random_allocations).
-    #[cfg(test)]
-    pub(crate) fn drain_each(&mut self, mut f: impl FnMut(u16, u64, u64)) {
-        self.bytes = 0;
-        self.count = 0;
-        for (slot, sl) in self.slots.iter_mut().enumerate() {
-            sl.drain_each(|l, a| f(slot as u16, l, a));
-        }
-    }
-
-    /// Removes every parked range, passing each slot's addresses to `f` at
-    /// once, ascending: freed in that order, ranges that sit side by side
-    /// (often parked neighbours) merge while their index entries are still
-    /// cached, and the granules' records are read in order, where class
-    /// order visited them at random (the lengths are the heap's to give:
-    /// bare addresses sort in half the instructions of `(addr, len)` pairs).
-    pub(crate) fn drain_sorted(&mut self, mut f: impl FnMut(u16, &[u64])) {
-        self.bytes = 0;
-        self.count = 0;
-        let ExactCache { slots, scratch, .. } = self;
-        for (slot, sl) in slots.iter_mut().enumerate() {
-            scratch.clear();
-            sl.drain_each(|_, a| scratch.push(a));
-            if scratch.is_empty() {
-                continue;
-            }
-            scratch.sort_unstable();
-            f(slot as u16, scratch);
-        }
-    }
-
-    /// Removes and returns every parked range as `(slot, len, addr)`.
-    #[cfg(test)]
-    fn drain(&mut self) -> Vec<(u16, u64, u64)> {
-        let mut out = Vec::new();
-        self.drain_each(|s, l, a| out.push((s, l, a)));
-        out
-    }
-
-    /// Removes and returns the ranges parked by `slot` as `(len, addr)`.
-    pub(crate) fn drain_slot(&mut self, slot: u16) -> Vec<(u64, u64)> {
-        let Some(sl) = self.slots.get_mut(slot as usize) else {
-            return Vec::new();
-        };
-        let mut out = Vec::new();
-        sl.drain_each(|l, a| out.push((l, a)));
-        self.bytes -= out.iter().map(|r| r.0).sum::<u64>();
-        self.count -= out.len();
-        out
-    }
 
     /// Every parked address.
     pub(crate) fn addrs(&self) -> impl Iterator<Item = u64> + '_ {
-        self.slots
-            .iter()
-            .flat_map(|sl| sl.lists.iter().flatten())
-            .map(|r| r.1)
-    }
-
-    /// Whether nothing is parked.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.count == 0
+        self.lists.iter().flatten().map(|r| r.1)
     }
 }
 
@@ -258,40 +183,28 @@ fn take_in_class(v: &mut Vec<(u64, u64)>, len: u64) -> Option<(u64, u64)> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn exact_sizes_per_slot_lifo_and_byte_count() {
-        let mut c = ExactCache::default();
-        c.put(0, 512, 0x1000);
-        c.put(0, 512, 0x2000);
-        c.put(1, 512, 0x3000);
-        c.put(0, 1024, 0x4000);
-        assert_eq!(c.bytes, 2560);
-        assert_eq!(c.take(0, 512), Some((0x2000, 512)));
-        assert_eq!(c.take(0, 768), None);
-        assert_eq!(c.take(2, 512), None);
-        let mut s0 = c.drain_slot(0);
-        s0.sort_unstable();
-        assert_eq!(s0, vec![(512, 0x1000), (1024, 0x4000)]);
-        assert_eq!(c.bytes, 512);
-        assert_eq!(c.drain(), vec![(1, 512, 0x3000)]);
-        assert!(c.is_empty());
+    fn drain(c: &mut ParkedLists) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        c.drain_each(|l, a| out.push((l, a)));
+        out.sort_unstable();
+        out
     }
 
     #[test]
-    fn drain_sorted_gives_each_slot_ascending_and_empties() {
-        let mut c = ExactCache::default();
-        for (i, a) in [0x9000u64, 0x1000, 0x5000, 0x3000].into_iter().enumerate() {
-            c.put((i % 2) as u16, 512 << i, a);
-        }
-        let mut got = Vec::new();
-        c.drain_sorted(|s, addrs| got.push((s, addrs.to_vec())));
-        assert_eq!(
-            got,
-            vec![(0, vec![0x5000, 0x9000]), (1, vec![0x1000, 0x3000])]
-        );
-        assert!(c.is_empty() && c.bytes == 0 && c.take(0, 512).is_none());
-        c.put(1, 512, 0x7000);
-        assert_eq!(c.take(1, 512), Some((0x7000, 512)));
+    fn exact_sizes_lifo_and_byte_count() {
+        let mut c = ParkedLists::default();
+        c.put(512, 0x1000);
+        c.put(512, 0x2000);
+        c.put(1024, 0x4000);
+        assert_eq!((c.bytes, c.count), (2048, 3));
+        assert_eq!(c.take(512), Some((0x2000, 512)));
+        assert_eq!(c.take(768), None);
+        assert_eq!(c.bytes, 1536);
+        assert_eq!(drain(&mut c), vec![(512, 0x1000), (1024, 0x4000)]);
+        assert_eq!((c.bytes, c.count), (0, 0));
+        assert!(c.take(512).is_none() && c.addrs().next().is_none());
+        c.put(512, 0x7000);
+        assert_eq!(c.take(512), Some((0x7000, 512)));
     }
 
     #[test]
@@ -300,48 +213,43 @@ mod tests {
         assert_eq!(class_of(mib), class_of(mib + mib / 64 - 256));
         assert_ne!(class_of(mib), class_of(mib + mib / 64));
         assert_ne!(class_of(mib - 256), class_of(mib));
-        let mut c = ExactCache::default();
-        c.put(0, mib + 8192, 0x10_0000);
-        c.put(0, mib + 4096, 0x20_0000);
-        c.put(0, mib + 12288, 0x30_0000);
+        let mut c = ParkedLists::default();
+        c.put(mib + 8192, 0x10_0000);
+        c.put(mib + 4096, 0x20_0000);
+        c.put(mib + 12288, 0x30_0000);
         // Too long for a request of the class's top; the shortest that
         // fits otherwise; never a shorter range.
-        assert_eq!(c.take(0, mib + 12544), None);
-        assert_eq!(c.take(0, mib - 16384 - 256), None, "three classes down");
-        assert_eq!(c.take(0, mib), Some((0x20_0000, mib + 4096)));
-        assert_eq!(c.take(0, mib + 8192), Some((0x10_0000, mib + 8192)));
-        assert_eq!(c.take(0, mib + 12288), Some((0x30_0000, mib + 12288)));
-        assert!(c.is_empty());
+        assert_eq!(c.take(mib + 12544), None);
+        assert_eq!(c.take(mib - 16384 - 256), None, "three classes down");
+        assert_eq!(c.take(mib), Some((0x20_0000, mib + 4096)));
+        assert_eq!(c.take(mib + 8192), Some((0x10_0000, mib + 8192)));
+        assert_eq!(c.take(mib + 12288), Some((0x30_0000, mib + 12288)));
+        assert_eq!(c.count, 0);
     }
 
     #[test]
     fn a_request_takes_the_next_classes_when_its_own_is_empty() {
         let mib = 1u64 << 20;
         let step = mib / 64;
-        let mut c = ExactCache::default();
-        c.put(0, mib + 2 * step, 0x10_0000);
-        c.put(0, mib + 2 * step + 512, 0x20_0000);
-        c.put(0, mib + 3 * step, 0x30_0000);
+        let mut c = ParkedLists::default();
+        c.put(mib + 2 * step, 0x10_0000);
+        c.put(mib + 2 * step + 512, 0x20_0000);
+        c.put(mib + 3 * step, 0x30_0000);
         // Class of `mib` is empty: the newest range two classes up.
-        assert_eq!(c.take(0, mib), Some((0x20_0000, mib + 2 * step + 512)));
-        assert_eq!(c.take(0, mib), Some((0x10_0000, mib + 2 * step)));
+        assert_eq!(c.take(mib), Some((0x20_0000, mib + 2 * step + 512)));
+        assert_eq!(c.take(mib), Some((0x10_0000, mib + 2 * step)));
         // Three classes up is too far.
-        assert_eq!(c.take(0, mib), None);
-        assert_eq!(c.take(0, mib + step), Some((0x30_0000, mib + 3 * step)));
-        // Never from another stream.
-        c.put(1, mib + step, 0x40_0000);
-        assert_eq!(c.take(0, mib), None);
-        assert!(!c.is_empty());
+        assert_eq!(c.take(mib), None);
+        assert_eq!(c.take(mib + step), Some((0x30_0000, mib + 3 * step)));
     }
 
     #[test]
     fn takes_and_drains_match_a_plain_model() {
-        // Random parks and takes over three slots and lengths from 256 B to
-        // 1 GiB; the cache must give back exactly the ranges a plain list
-        // holds, and a take must return a parked range of its slot that
-        // fits within the next classes.
-        let mut c = ExactCache::default();
-        let mut model: Vec<(u16, u64, u64)> = Vec::new();
+        // Random parks and takes of lengths from 256 B to 1 GiB; the lists
+        // must give back exactly the ranges a plain list holds, and a take
+        // must return a parked range that fits within the next classes.
+        let mut c = ParkedLists::default();
+        let mut model: Vec<(u64, u64)> = Vec::new();
         let mut x = 0x2545_F491_4F6C_DD1Du64;
         let mut next = || {
             x ^= x << 13;
@@ -351,30 +259,25 @@ mod tests {
         };
         for step in 0..20_000u64 {
             let r = next();
-            let slot = (r % 3) as u16;
             let len = 256 * (1 + (r >> 8) % (1 << ((r >> 40) % 23)));
             if r >> 60 < 9 {
-                c.put(slot, len, step << 32);
-                model.push((slot, len, step << 32));
-            } else if let Some((addr, got)) = c.take(slot, len) {
-                let i = model.iter().position(|m| m.2 == addr).expect("was parked");
-                assert_eq!((model[i].0, model[i].1), (slot, got));
+                c.put(len, step << 32);
+                model.push((len, step << 32));
+            } else if let Some((addr, got)) = c.take(len) {
+                let i = model.iter().position(|m| m.1 == addr).expect("was parked");
+                assert_eq!(model[i].0, got);
                 assert!(got >= len && class_of(got) <= class_of(len) + NEXT_CLASSES);
                 model.swap_remove(i);
             } else {
-                // Nothing of this slot at least `len` long within reach.
+                // Nothing at least `len` long within reach.
                 let reach = class_of(len) + NEXT_CLASSES;
-                assert!(!model
-                    .iter()
-                    .any(|m| m.0 == slot && m.1 >= len && class_of(m.1) <= reach));
+                assert!(!model.iter().any(|m| m.0 >= len && class_of(m.0) <= reach));
             }
-            assert_eq!(c.bytes, model.iter().map(|m| m.1).sum::<u64>());
+            assert_eq!(c.bytes, model.iter().map(|m| m.0).sum::<u64>());
+            assert_eq!(c.count, model.len());
             if step % 5_000 == 4_999 {
-                let mut all = c.drain();
-                all.sort_unstable();
                 model.sort_unstable();
-                assert_eq!(all, model);
-                assert!(c.is_empty() && c.addrs().next().is_none());
+                assert_eq!(drain(&mut c), model);
                 model.clear();
             }
         }

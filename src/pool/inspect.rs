@@ -5,7 +5,7 @@ use super::heap::{Piece, Tag};
 use super::pending::Pending;
 use super::snapshot::{BlockInfo, BlockState, HistoryEvent, SegmentInfo, Snapshot};
 use super::stream::STREAM_SLOTS;
-use super::{LargeLive, PoolShared, PoolStats};
+use super::{PoolShared, PoolStats};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -131,7 +131,7 @@ impl PoolShared {
         // Movable regions are heap allocations; their free extents are
         // cached bytes and their held bytes are pending (see src/compact/).
         let (mv_regions, mv_live, _, mv_free) = self.movable.audit()?;
-        let mut h = self.heap.lock_quiet();
+        let h = self.heap.lock_quiet();
         h.heap.check()?;
         let f = h.heap.figures();
         let c = self.census(|id| h.group_events.contains_key(&id));
@@ -146,22 +146,16 @@ impl PoolShared {
         // Arenas of learned steps are heap ranges holding planned blocks.
         let plan = self.plans.stats();
         let plan_fenced = self.plans.fenced_bytes();
-        let large_live = f.allocated - h.slab_bytes - h.exact.bytes - mv_regions - plan.arena_bytes;
-        // Parked ranges keep their last owner word: the cache says they
-        // are not live.
-        let parked_addrs: HashSet<u64> = h.exact.addrs().collect();
-        let large_ranges: u64 = h
-            .heap
-            .owned()
-            .filter(|(a, _, _)| !parked_addrs.contains(a))
-            .map(|(_, len, _)| len)
-            .sum();
+        let parked = self.by_stream.parked_bytes();
+        let large_live = f.allocated - h.slab_bytes - parked - mv_regions - plan.arena_bytes;
+        // The index holds planned blocks too; the heap counts their arenas.
+        let large_ranges = self.by_stream.live_bytes();
         let (requested, allocated, _, _) = self.counters.totals();
-        let parked = h.exact.bytes;
         drop(h);
-        if large_ranges != large_live {
+        if large_ranges != large_live + plan.live_bytes {
             return Err(format!(
-                "live large blocks span {large_ranges} B, the heap holds {large_live} B for them"
+                "live large blocks span {large_ranges} B, the heap holds {large_live} B for them and the arenas {} B",
+                plan.live_bytes
             ));
         }
         if allocated != large_live + live_slots + mv_live + plan.live_bytes {
@@ -211,10 +205,10 @@ impl PoolShared {
         let _gate = self.maint_gate.lock();
         super::magazine::flush_for(self);
         let stats = self.stats();
-        let mut h = self.heap.lock_quiet();
+        let h = self.heap.lock_quiet();
         let census = self.census(|_| true);
 
-        let parked: HashSet<u64> = h.exact.addrs().collect();
+        let parked: HashSet<u64> = self.by_stream.parked_addrs().into_iter().collect();
         let mut segments = Vec::new();
         for run in h.heap.layout() {
             let mut blocks: Vec<BlockInfo> = Vec::new();
@@ -234,7 +228,9 @@ impl PoolShared {
                             (0, BlockState::Inactive)
                         } else {
                             (
-                                LargeLive::at(&mut h.heap, addr).map_or(0, |l| l.requested),
+                                self.by_stream
+                                    .get(None, addr)
+                                    .map_or(0, |e| e.live.requested),
                                 BlockState::ActiveAllocated,
                             )
                         };

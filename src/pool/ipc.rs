@@ -22,7 +22,7 @@
 //! device's memfd, which the other process maps (the simulator shares the
 //! whole file, a driver the chunk alone).
 
-use super::{DevicePool, LargeLive, PoolShared};
+use super::{DevicePool, PoolShared};
 use crate::error::{Error, Result};
 use crate::ptr::{ChunkHandle, DevicePtr};
 use parking_lot::Mutex;
@@ -139,16 +139,13 @@ impl PoolShared {
             None => None,
         };
         // Under the heap lock: the chunks cannot move or go meanwhile.
-        let mut h = self.heap.lock();
+        let h = self.heap.lock();
         let size = match small {
             Some(n) => n,
-            None => {
-                let parked = h.exact.addrs().any(|a| a == addr);
-                match LargeLive::at(&mut h.heap, addr) {
-                    Some(l) if !parked => l.requested,
-                    _ => return Err(unknown),
-                }
-            }
+            None => match self.by_stream.get(None, addr) {
+                Some(e) => e.live.requested,
+                None => return Err(unknown),
+            },
         };
         if h.heap.is_paused(addr) {
             return Err(Error::InvalidArgument(format!(

@@ -34,22 +34,25 @@ impl PoolShared {
         stream: &Stream,
     ) -> Result<(u64, u64)> {
         let size = live.requested;
-        let keep = |h: &mut HeapState, addr: u64| {
-            h.heap.set_taken_owner(addr, live.word());
+        // A range the stream parked: its lock alone, never the heap's.
+        if let Some(r) = stream
+            .slot()
+            .and_then(|s| self.by_stream.take_parked(s, len, live))
+        {
+            return Ok(r);
+        }
+        let keep = |_: &mut HeapState, addr: u64| {
+            self.by_stream.insert(stream.slot(), addr, len, live);
             Ok((addr, len))
         };
         {
             let mut h = self.heap.lock();
-            if let Some((addr, parked)) = stream.slot().and_then(|s| h.exact.take(s, len)) {
-                h.heap.set_owner(addr, live.word());
-                return Ok((addr, parked));
-            }
             if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
                 return keep(&mut h, t.addr);
             }
             // Merged with their neighbours, parked ranges often fit where
             // none did: take that before any handover or growth.
-            if Self::unpark(&mut h) {
+            if self.unpark(&mut h) {
                 if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
                     return keep(&mut h, t.addr);
                 }
@@ -64,8 +67,10 @@ impl PoolShared {
         // harvested (queries only).
         let flush_others = {
             let h = self.heap.lock();
-            h.heap
-                .dirty_elsewhere_at_least(stream.slot(), len.saturating_sub(h.exact.bytes))
+            h.heap.dirty_elsewhere_at_least(
+                stream.slot(),
+                len.saturating_sub(self.by_stream.parked_bytes()),
+            )
         };
         if flush_others {
             self.reclaim();
@@ -116,7 +121,7 @@ impl PoolShared {
         // The way to out of memory: wait for what is in flight, then once more.
         self.wait_before_oom();
         let mut h = self.heap.lock();
-        Self::unpark(&mut h);
+        self.unpark(&mut h);
         match self.heap_alloc_or_oom(&mut h, len, stream, PendingUse::Any)? {
             Some(t) => keep(&mut h, t.addr),
             None => {
@@ -207,14 +212,15 @@ impl PoolShared {
         }
     }
 
-    /// Gives every parked large range to the heap (see `exact.rs`);
+    /// Gives every parked large range to the heap (see `stream_large.rs`);
     /// whether there was any.
-    pub(super) fn unpark(h: &mut HeapState) -> bool {
-        if h.exact.is_empty() {
+    /// Runs under the heap lock (the slot locks nest inside it).
+    pub(super) fn unpark(&self, h: &mut HeapState) -> bool {
+        if self.by_stream.nothing_parked() {
             return false;
         }
-        let HeapState { exact, heap, .. } = h;
-        exact.drain_sorted(|slot, ranges| heap.free_many(ranges, Tag::Dirty(slot)));
+        self.by_stream
+            .drain_sorted(|slot, ranges| h.heap.free_many(ranges, Tag::Dirty(slot)));
         true
     }
 

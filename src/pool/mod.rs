@@ -53,6 +53,7 @@ mod snapshot;
 pub mod stack;
 mod stats;
 mod stream;
+mod stream_large;
 pub(crate) mod sync;
 mod teardown;
 
@@ -99,8 +100,6 @@ struct HeapState {
     /// Movable regions given back to the heap since compaction last
     /// released memory: `(addr, len)`.
     freed_regions: Vec<(u64, u64)>,
-    /// Large ranges parked for reuse by size class on their stream.
-    exact: exact::ExactCache,
     /// Granules aliased by stitching, released when their event completes.
     quarantine: Vec<(Waits, heap::GranuleRuns)>,
     /// Bytes of all slabs, and of slab tails no slot covers.
@@ -117,6 +116,9 @@ pub(crate) struct PoolShared {
     info: DeviceInfo,
     slabs: Slabs,
     heap: counted_lock::CountedMutex<HeapState>,
+    /// Each stream's parked large ranges and live large blocks, behind
+    /// its own lock (see `stream_large.rs`).
+    by_stream: stream_large::StreamLarge,
     /// Slab base address -> slab id, for raw frees.
     slab_index: slab_index::SlabIndex,
     pending: PendingList<Pending>,
@@ -196,34 +198,11 @@ pub struct DevicePool {
     default_stream: Stream,
 }
 
-/// A live large block, kept as the heap's owner word of its range (0, the
-/// heap's default, marks a slab or a parked range).
+/// A live large block's record (kept in `stream_large.rs`'s live index).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct LargeLive {
     requested: u64,
     raw: bool,
-}
-
-impl LargeLive {
-    const RAW: u64 = 1 << 63;
-
-    /// Never 0.
-    fn word(self) -> u64 {
-        (self.requested + 1) | if self.raw { Self::RAW } else { 0 }
-    }
-
-    fn from_word(w: u64) -> Option<LargeLive> {
-        (w != 0).then(|| LargeLive {
-            requested: (w & !Self::RAW) - 1,
-            raw: w & Self::RAW != 0,
-        })
-    }
-
-    /// The record of the allocated range at `addr` (a parked range still
-    /// shows its last block's: callers that care ask the parking cache).
-    fn at(heap: &mut heap::Heap, addr: u64) -> Option<LargeLive> {
-        Self::from_word(heap.allocated_at(addr)?.1)
-    }
 }
 
 /// Where a block's memory came from.
@@ -263,12 +242,12 @@ impl DevicePool {
                 heap,
                 group_events: HashMap::default(),
                 free_slab_ids: vec![Vec::new(); classes_len],
-                exact: exact::ExactCache::default(),
                 freed_regions: Vec::new(),
                 quarantine: Vec::new(),
                 slab_bytes: 0,
                 slab_tail_bytes: 0,
             }),
+            by_stream: stream_large::StreamLarge::new(STREAM_SLOTS),
             slab_index: slab_index::SlabIndex::new(reservation),
             pending: PendingList::new(),
             kept: reclaim::KeptRecords::default(),
@@ -585,7 +564,10 @@ impl PoolShared {
                     _ => plan::Serve::Dynamic { record: false },
                 };
                 let (addr, len) = match planned {
-                    plan::Serve::Planned(addr) => (addr, len),
+                    plan::Serve::Planned(addr) => {
+                        self.by_stream.insert(slot, addr, len, live);
+                        (addr, len)
+                    }
                     plan::Serve::Dynamic { record } => {
                         let (addr, got) = self.alloc_large(len, live, stream)?;
                         if let (true, Some(s)) = (record, slot) {
@@ -706,7 +688,7 @@ impl PoolShared {
         let taken = match h.heap.alloc_backed(sb, sb, slot) {
             Some(t) => t,
             None => {
-                Self::unpark(&mut h);
+                self.unpark(&mut h);
                 self.heap_alloc(&mut h, sb, sb, stream, pending)?
             }
         };
@@ -784,6 +766,47 @@ impl PoolShared {
         stream: &Stream,
         extra: &[Arc<StreamCore>],
     ) {
+        if let Kind::Large { len } = kind {
+            let addr = ptr.addr();
+            // The common case, a block freed on the stream that allocated
+            // it and used nowhere else: out of the live index and into the
+            // stream's parking lists under one lock of the stream's own.
+            if let Some(s) = self.parks_at_once(stream, extra) {
+                if self.by_stream.park_live(s, addr, len) {
+                    self.counters.on_free(requested, len);
+                    return;
+                }
+            }
+            self.by_stream.remove(stream.slot(), addr);
+        }
+        self.release_block(ptr, kind, requested, stream, extra);
+    }
+
+    /// The stream slot a large free on `stream` parks at once, without
+    /// the general path's steps: none while a capture, history recording,
+    /// learned steps or tagged blocks ask for those steps, or when the
+    /// block was used on other streams too.
+    #[inline]
+    fn parks_at_once(&self, stream: &Stream, extra: &[Arc<StreamCore>]) -> Option<u16> {
+        let quiet = extra.is_empty()
+            && !self.capture.underway()
+            && !self.recording.load(Relaxed)
+            && !self.plans.enabled()
+            && self.tags.is_empty();
+        stream.slot().filter(|_| quiet)
+    }
+
+    /// [`PoolShared::free_block`] of a block already out of the live
+    /// index (`live_large.rs`): a raw free took it out to check it, a
+    /// deferred free when it was first freed.
+    pub(crate) fn release_block(
+        &self,
+        ptr: DevicePtr,
+        kind: Kind,
+        requested: u64,
+        stream: &Stream,
+        extra: &[Arc<StreamCore>],
+    ) {
         if self.defer_free(ptr, kind, requested, stream, extra) {
             return;
         }
@@ -818,19 +841,19 @@ impl PoolShared {
                 }
                 // Tagged blocks are never parked (see `pause.rs`).
                 let tagged = self.tags.forget(addr);
+                let own_stream_only = slot.is_some() && extra.is_empty();
+                if let (Some(s), true, None) = (slot, own_stream_only, tagged) {
+                    // Parked under the stream's own lock, not the heap's.
+                    self.by_stream.park(s, len, addr);
+                    return;
+                }
                 // A free that waits on events records them before taking
                 // the heap lock: no driver call runs under it. The block is
                 // still allocated until the free below publishes it.
-                let own_stream_only = slot.is_some() && extra.is_empty();
                 let mut waits = (!own_stream_only && tagged != Some(true))
                     .then(|| self.record_events(stream.core(), extra));
                 let mut h = self.heap.lock();
                 match slot {
-                    // The owner word stays: parking is authoritative for
-                    // parked ranges (a raw free clears the word first, for
-                    // double-free detection), so a park touches no map
-                    // but the cache's.
-                    Some(s) if extra.is_empty() && tagged.is_none() => h.exact.put(s, len, addr),
                     // Paused: unmapped after a host wait, no use remains.
                     _ if tagged == Some(true) => {
                         h.heap.free(addr, Tag::Clean).expect("block is allocated");

@@ -117,6 +117,12 @@ impl TagRegistry {
         self.live.store(b.by_addr.len(), Relaxed);
     }
 
+    /// Whether no block is tagged (one relaxed load).
+    #[inline]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.live.load(Relaxed) == 0
+    }
+
     /// Forgets the block at `addr` as it is freed: `None` if it is not
     /// tagged, else whether it was paused. One relaxed load while the pool
     /// has no tagged block.
@@ -252,7 +258,7 @@ impl PoolShared {
                     Err(e) => return Err(e),
                 },
             };
-            h.heap.set_taken_owner(t.addr, live.word());
+            this.by_stream.insert(stream.slot(), t.addr, len, live);
             Ok(Some(t.addr))
         };
         if let Some(a) = attempt(self)? {
@@ -261,12 +267,12 @@ impl PoolShared {
         self.counters.retries.fetch_add(1, Relaxed);
         self.harvest();
         self.reclaim();
-        Self::unpark(&mut self.heap.lock());
+        self.unpark(&mut self.heap.lock());
         if let Some(a) = attempt(self)? {
             return Ok(a);
         }
         self.wait_before_oom();
-        Self::unpark(&mut self.heap.lock());
+        self.unpark(&mut self.heap.lock());
         match attempt(self)? {
             Some(a) => Ok(a),
             None => Err(self.oom(live.requested)),
@@ -368,7 +374,7 @@ impl PoolShared {
         }
         // As an allocation would: wait for in-flight frees, make parked
         // and dirty memory clean (stealable), and try once more.
-        Self::unpark(&mut self.heap.lock());
+        self.unpark(&mut self.heap.lock());
         self.wait_before_oom();
         match self.try_resume(tag) {
             Err(e) if e.is_oom() => {

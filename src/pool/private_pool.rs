@@ -286,7 +286,7 @@ impl PoolShared {
             requested: seg_len,
             raw: false,
         };
-        h.heap.set_taken_owner(t.addr, live.word());
+        self.by_stream.insert(None, t.addr, seg_len, live);
         drop(h);
         self.counters.on_alloc(seg_len, seg_len);
         Ok(t.addr)

@@ -48,59 +48,59 @@ impl PoolShared {
             self.free_block(ptr, kind, requested, stream, &extra);
             return Ok(());
         }
-        if self.plans.enabled() {
-            if let Some(l) = self.plans.live_at(addr) {
-                if !l.raw {
-                    return Err(Error::InvalidArgument(format!(
-                        "{addr:#x} is a block, not a raw allocation"
-                    )));
+        // The common case at once: a raw block freed on the stream that
+        // allocated it, recorded on no other stream, parked under one lock
+        // of that stream's own (see `free_block`).
+        if let Some(s) = self.parks_at_once(stream, &[]) {
+            let none_recorded = self
+                .recorded_entries
+                .load(std::sync::atomic::Ordering::Acquire)
+                == 0;
+            if none_recorded {
+                if let Some(e) = self.by_stream.park_live_raw(s, addr) {
+                    self.counters.on_free(e.live.requested, e.len);
+                    return Ok(());
                 }
-                let extra = self.take_recorded_streams(addr);
-                self.free_block(ptr, Kind::Large { len: l.len }, l.requested, stream, &extra);
-                return Ok(());
-            }
-            if self.plans.in_arena(addr) {
-                // Inside a learned step's arena and not live: freed already.
-                return Err(Error::DoubleFree {
-                    ptr: addr,
-                    device: self.dev,
-                });
             }
         }
-        let (requested, len) = {
-            let mut h = self.heap.lock();
-            let requested = match LargeLive::at(&mut h.heap, addr) {
-                Some(l) if l.raw => l.requested,
-                Some(_) => {
-                    return Err(Error::InvalidArgument(format!(
-                        "{addr:#x} is a block, not a raw allocation"
-                    )))
-                }
+        // Taken out of the live index here, in one step, so that of two
+        // frees of one pointer only one goes on (planned blocks included).
+        let e = match self.by_stream.remove_raw(stream.slot(), addr) {
+            Ok(e) => e,
+            Err(Some(_)) => {
+                return Err(Error::InvalidArgument(format!(
+                    "{addr:#x} is a block, not a raw allocation"
+                )))
+            }
+            Err(None) => {
                 // Not live: if the address starts free or parked memory of
-                // this pool, it was freed already.
-                None if h.heap.allocated_len(addr).is_some() || h.heap.is_free(addr) => {
-                    return Err(Error::DoubleFree {
+                // this pool, or lies in a learned step's arena, it was
+                // freed already.
+                let freed = (self.plans.enabled() && self.plans.in_arena(addr)) || {
+                    let h = self.heap.lock();
+                    h.heap.allocated_len(addr).is_some() || h.heap.is_free(addr)
+                };
+                return Err(if freed {
+                    Error::DoubleFree {
                         ptr: addr,
                         device: self.dev,
-                    })
-                }
-                None => {
-                    return Err(Error::UnknownPointer {
+                    }
+                } else {
+                    Error::UnknownPointer {
                         ptr: addr,
                         device: self.dev,
-                    })
-                }
-            };
-            h.heap.set_owner(addr, 0);
-            (
-                requested,
-                h.heap
-                    .allocated_len(addr)
-                    .expect("raw large blocks are allocated"),
-            )
+                    }
+                });
+            }
         };
         let extra = self.take_recorded_streams(addr);
-        self.free_block(ptr, Kind::Large { len }, requested, stream, &extra);
+        self.release_block(
+            ptr,
+            Kind::Large { len: e.len },
+            e.live.requested,
+            stream,
+            &extra,
+        );
         Ok(())
     }
 
@@ -151,14 +151,10 @@ impl PoolShared {
         if let Some(n) = self.private_size(addr) {
             return Some(n);
         }
-        if self.plans.enabled() {
-            if let Some(l) = self.plans.live_at(addr) {
-                return l.raw.then_some(l.requested);
-            }
-        }
-        LargeLive::at(&mut self.heap.lock_quiet().heap, addr)
-            .filter(|l| l.raw)
-            .map(|l| l.requested)
+        self.by_stream
+            .get(None, addr)
+            .filter(|e| e.live.raw)
+            .map(|e| e.live.requested)
     }
 
     pub(super) fn record_stream_raw(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {

@@ -360,7 +360,7 @@ impl PoolShared {
             }
         }
         let mut h = self.heap.lock();
-        for (_, addr) in h.exact.drain_slot(slot as u16) {
+        for (_, addr) in self.by_stream.drain_slot(slot as u16) {
             h.heap
                 .free(addr, Tag::Dirty(slot as u16))
                 .expect("parked ranges are allocated");

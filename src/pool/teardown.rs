@@ -54,7 +54,7 @@ impl PoolShared {
         {
             let mut h = self.heap.lock();
             h.heap.teardown();
-            h.exact = exact::ExactCache::default();
+            self.by_stream.clear();
             for p in self.take_pending_records() {
                 match p {
                     Pending::Slots { waits, .. } | Pending::Classes { waits, .. } => {

@@ -84,15 +84,6 @@ impl Heap {
     /// Checks the heap's structural invariants; returns a description of the
     /// first violation.
     pub(crate) fn check(&self) -> std::result::Result<(), String> {
-        if let Some(&(a, _)) = self
-            .owner_log
-            .iter()
-            .find(|e| !self.allocated.contains_key(&e.0))
-        {
-            return Err(format!(
-                "an owner write is logged for {a:#x}, not allocated"
-            ));
-        }
         // Free and allocated ranges do not overlap and merge rules hold.
         let mut spans: Vec<(u64, u64, Option<Tag>)> = self
             .by_addr
@@ -102,7 +93,7 @@ impl Heap {
         if !self.by_addr.consistent() {
             return Err("address index: start, end and order maps disagree".into());
         }
-        spans.extend(self.allocated.iter().map(|(&a, l)| (a, l.len, None)));
+        spans.extend(self.allocated.iter().map(|(&a, &l)| (a, l, None)));
         if let Physical::Vmm {
             base, quarantine, ..
         } = &self.phys
@@ -137,7 +128,7 @@ impl Heap {
             ));
         }
         self.check_size_indexes()?;
-        if self.allocated.values().map(|a| a.len).sum::<u64>() != self.allocated_bytes {
+        if self.allocated.values().sum::<u64>() != self.allocated_bytes {
             return Err("allocated byte count drifted".into());
         }
         self.check_paused()?;
@@ -169,7 +160,7 @@ impl Heap {
                 if covered != *len {
                     return Err(format!("ranges cover {covered} of {len} bytes"));
                 }
-                for (a, l) in self.allocated.iter().map(|(a, l)| (a, l.len)) {
+                for (a, l) in self.allocated.iter().map(|(a, &l)| (a, l)) {
                     if self.paused.contains_key(a) {
                         continue; // wholly unmapped: `check_paused`
                     }
@@ -183,8 +174,8 @@ impl Heap {
                 // granules count them, whole ones are covered by one.
                 let mut users = vec![0u32; granules.len()];
                 let mut whole = vec![false; granules.len()];
-                for (&a, al) in self.allocated.iter() {
-                    let (first, last, w) = granule_span(*base, self.gran, a, al.len);
+                for (&a, &len) in self.allocated.iter() {
+                    let (first, last, w) = granule_span(*base, self.gran, a, len);
                     for g in shared_granules(first, last, w).into_iter().flatten() {
                         users[g as usize] += 1;
                     }
@@ -226,7 +217,7 @@ impl Heap {
 
     /// Every allocated range (for snapshots).
     pub(crate) fn allocated_ranges(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.allocated.iter().map(|(&a, l)| (a, l.len))
+        self.allocated.iter().map(|(&a, &l)| (a, l))
     }
 
     /// Every backed piece of the address space in address order, free ranges
@@ -238,7 +229,7 @@ impl Heap {
             .allocated
             .iter()
             .filter(|(a, _)| !self.paused.contains_key(a))
-            .map(|(&a, l)| (a, l.len, Piece::Allocated))
+            .map(|(&a, &l)| (a, l, Piece::Allocated))
             .collect();
         for (a, r) in self.by_addr.iter() {
             for (s, l) in self.mapped_parts(a, r.len) {

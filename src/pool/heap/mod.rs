@@ -85,10 +85,6 @@ struct Granule {
     users: u32,
 }
 
-/// Owner-word writes the heap holds back before making them in one pass
-/// (see [`Heap::set_owner`]).
-const OWNER_LOG: usize = 256;
-
 // One per heap, never moved on a hot path: boxing the large variant would
 // only add an indirection to every granule lookup.
 #[allow(clippy::large_enum_variant)]
@@ -153,16 +149,8 @@ pub(crate) struct Heap {
     /// free ranges under it without storing them (see `size_index.rs`).
     /// `Pending` ones store every range (harvesting walks them).
     request_floor: u64,
-    /// Allocated ranges: addr -> (len, the caller's owner word). One map
-    /// serves both the heap and the pool's record of live large blocks,
-    /// so a large allocation or free costs one hash lookup, not two.
-    allocated: FxHashMap<u64, Allocated>,
-    /// Owner-word writes not yet made, oldest first (see
-    /// [`Heap::set_owner`]). Invariant: each names a range that is
-    /// allocated now (a range leaves the map only after the log is
-    /// applied), and applied in order they give every word its latest
-    /// value.
-    owner_log: Vec<(u64, u64)>,
+    /// Allocated ranges: addr -> len.
+    allocated: FxHashMap<u64, u64>,
     reserved: u64,
     allocated_bytes: u64,
     next_pending: u32,
@@ -194,15 +182,6 @@ pub(crate) struct Heap {
     /// Paused allocated ranges, addr -> len, and their bytes (`pause.rs`).
     paused: FxHashMap<u64, u64>,
     paused_bytes: u64,
-}
-
-/// An allocated range's length and the word its owner keeps with it.
-#[derive(Debug, Clone, Copy)]
-struct Allocated {
-    len: u64,
-    /// 0 until [`Heap::set_owner`]; the pool encodes live large blocks
-    /// (and leaves the word of a range it parks: see `PoolShared::free_block`).
-    owner: u64,
 }
 
 fn align_up(v: u64, a: u64) -> u64 {
@@ -245,7 +224,6 @@ impl Heap {
             capture_hold: false,
             request_floor,
             allocated: FxHashMap::default(),
-            owner_log: Vec::with_capacity(OWNER_LOG),
             reserved: 0,
             allocated_bytes: 0,
             next_pending: 0,
@@ -568,7 +546,7 @@ impl Heap {
                 self.retag_granule(g, start, len, Tag::Dirty(slot));
             }
         }
-        self.allocated.insert(start, Allocated { len, owner: 0 });
+        self.allocated.insert(start, len);
         self.allocated_bytes += len;
         let waits = match r.tag {
             Tag::Pending(id) => vec![id],
@@ -587,73 +565,7 @@ impl Heap {
 
     /// The length of the allocated range at `addr`, if any.
     pub(crate) fn allocated_len(&self, addr: u64) -> Option<u64> {
-        self.allocated.get(&addr).map(|a| a.len)
-    }
-
-    /// Sets the owner word of the allocated range at `addr`, soon: the
-    /// write waits in a short log, made with the others when the log
-    /// fills, before any range leaves the map and before any word is read.
-    ///
-    /// A parked range taken back (the pool's usual reuse) was freed at
-    /// random some time ago, so its map entry is cold: written at once,
-    /// its misses (1.5 L2-sized misses per reuse in RMM's
-    /// random_allocations at 10^5) held up the allocation, and the
-    /// heap lock's release waited on them. Made in a pass, one after the
-    /// other, independent lookups overlap (see `free_many`).
-    #[inline]
-    pub(crate) fn set_owner(&mut self, addr: u64, owner: u64) {
-        debug_assert!(
-            self.allocated.contains_key(&addr),
-            "no allocated range at {addr:#x}"
-        );
-        self.owner_log.push((addr, owner));
-        if self.owner_log.len() >= OWNER_LOG {
-            self.apply_owners();
-        }
-    }
-
-    /// Sets the owner word of a range taken in this same critical section
-    /// at once (its entry was just written, so it is in cache; no log entry
-    /// can name it: none names a range that was not allocated).
-    #[inline]
-    pub(crate) fn set_taken_owner(&mut self, addr: u64, owner: u64) {
-        debug_assert!(
-            !self.owner_log.iter().any(|e| e.0 == addr),
-            "range {addr:#x} has a logged owner write"
-        );
-        Self::write_owner(&mut self.allocated, addr, owner);
-    }
-
-    /// Makes the logged owner-word writes, oldest first.
-    fn apply_owners(&mut self) {
-        for (addr, owner) in self.owner_log.drain(..) {
-            Self::write_owner(&mut self.allocated, addr, owner);
-        }
-    }
-
-    /// Writes the owner word of allocated range `addr` in `allocated`.
-    #[inline]
-    fn write_owner(allocated: &mut FxHashMap<u64, Allocated>, addr: u64, owner: u64) {
-        let a = allocated.get_mut(&addr);
-        debug_assert!(a.is_some(), "no allocated range at {addr:#x}");
-        if let Some(a) = a {
-            a.owner = owner;
-        }
-    }
-
-    /// The length and owner word of the allocated range at `addr`.
-    pub(crate) fn allocated_at(&mut self, addr: u64) -> Option<(u64, u64)> {
-        self.apply_owners();
-        self.allocated.get(&addr).map(|a| (a.len, a.owner))
-    }
-
-    /// Allocated ranges with a non-zero owner word: `(addr, len, owner)`.
-    pub(crate) fn owned(&mut self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
-        self.apply_owners();
-        self.allocated
-            .iter()
-            .filter(|(_, a)| a.owner != 0)
-            .map(|(&addr, a)| (addr, a.len, a.owner))
+        self.allocated.get(&addr).copied()
     }
 
     /// Whether `addr` lies in free memory of the heap.
@@ -663,15 +575,10 @@ impl Heap {
 
     /// Returns an allocated range with `tag`.
     pub(crate) fn free(&mut self, addr: u64, tag: Tag) -> Result<u64> {
-        self.apply_owners();
-        let len = self
-            .allocated
-            .remove(&addr)
-            .map(|a| a.len)
-            .ok_or(Error::UnknownPointer {
-                ptr: addr,
-                device: self.dev,
-            })?;
+        let len = self.allocated.remove(&addr).ok_or(Error::UnknownPointer {
+            ptr: addr,
+            device: self.dev,
+        })?;
         self.allocated_bytes -= len;
         if !self.paused.is_empty() {
             self.unpause_on_free(addr);
@@ -689,14 +596,9 @@ impl Heap {
     /// another, and back to back the processor overlaps them; interleaved
     /// with the merges they waited on each other's misses.
     pub(crate) fn free_many(&mut self, addrs: &[u64], tag: Tag) {
-        self.apply_owners();
         let mut lens = Vec::with_capacity(addrs.len());
         for &addr in addrs {
-            let len = self
-                .allocated
-                .remove(&addr)
-                .expect("range is allocated")
-                .len;
+            let len = self.allocated.remove(&addr).expect("range is allocated");
             self.allocated_bytes -= len;
             self.drop_users(addr, len);
             lens.push(len);

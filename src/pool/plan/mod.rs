@@ -46,6 +46,7 @@ use super::heap::Tag;
 use super::pending::{Pending, Waits};
 use super::stream::STREAM_SLOTS;
 use super::{LargeLive, PoolShared, Stream, StreamCore};
+use crossbeam_utils::CachePadded;
 use parking_lot::{Mutex, RwLock};
 use placement::Life;
 use rustc_hash::FxHashMap;
@@ -91,7 +92,8 @@ pub struct PlanStats {
 pub(crate) struct Plans {
     /// Set by the first mark: until then no large call looks here.
     on: AtomicBool,
-    slots: Box<[Mutex<SlotPlan>]>,
+    /// Padded: each stream locks its own on every large request.
+    slots: Box<[CachePadded<Mutex<SlotPlan>>]>,
     /// Every arena: base -> (len, owner slot or [`ORPHAN`]), for frees.
     index: RwLock<BTreeMap<u64, (u64, u16)>>,
     orphans: Mutex<Vec<Arena>>,
@@ -259,7 +261,7 @@ impl Plans {
     pub(crate) fn new() -> Plans {
         Plans {
             on: AtomicBool::new(false),
-            slots: (0..STREAM_SLOTS).map(|_| Mutex::default()).collect(),
+            slots: (0..STREAM_SLOTS).map(|_| CachePadded::default()).collect(),
             index: RwLock::new(BTreeMap::new()),
             orphans: Mutex::new(Vec::new()),
             plans: AtomicU64::new(0),
@@ -323,20 +325,6 @@ impl Plans {
             .next_back()
             .filter(|(&b, &(l, _))| addr < b + l)
             .map(|(_, &(_, o))| o)
-    }
-
-    /// The live planned block at `addr` (raw frees and `raw_size`).
-    pub(crate) fn live_at(&self, addr: u64) -> Option<Live> {
-        let find = |arenas: &[Arena]| {
-            arenas
-                .iter()
-                .find(|a| a.holds(addr))
-                .and_then(|a| a.live.get(&addr).copied())
-        };
-        match self.owner_of(addr)? {
-            ORPHAN => find(&self.orphans.lock()),
-            s => find(&self.slots[s as usize].lock().arenas),
-        }
     }
 
     /// Whether `addr` lies in an arena (a planned block freed already, or
@@ -610,8 +598,8 @@ impl PoolShared {
                 return record_again();
             }
         };
-        // An arena is no block: owner word 0, like a parked range.
-        self.heap.lock().heap.set_owner(base, 0);
+        // An arena is no block (see `stream_large.rs`).
+        self.by_stream.remove(Some(slot), base);
         self.plans.index.write().insert(base, (len, slot));
         self.plans.arena_bytes.fetch_add(len, Relaxed);
         self.plans.plans.fetch_add(1, Relaxed);

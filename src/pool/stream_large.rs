@@ -1,0 +1,396 @@
+//! Each stream's large blocks: the ranges it parked for reuse (`exact.rs`)
+//! and the live large blocks it allocated, by address, under one lock per
+//! stream slot (one more part for streams without a slot).
+//!
+//! A stream reuses the range it freed (the steady state of every training
+//! loop and server) by locking only its own part, once per allocation and
+//! once per free: no lock or written cache line is shared with another
+//! stream, and the device's heap lock is taken only to give parked ranges
+//! back (`drain_*`, with the part locks nested inside it: heap, then part,
+//! never the other way round).
+//!
+//! The live index says what a free (typed or raw: the C ABI and PyTorch
+//! path keep only an address), `record_stream`, IPC export, the census and
+//! the audit need to know of a live large block: its range length, bytes
+//! requested, raw or typed. A lookup names the part to try first (the
+//! freeing stream's: in PyTorch, as in the Rust API, a block is freed on
+//! the stream that allocated it); only a block freed on another stream,
+//! and a bad pointer, visit every part.
+//!
+//! Invariants:
+//! 1. An address is in the live index exactly while a large block handed
+//!    to a caller is live at it (planned blocks of learned steps
+//!    included): inserted when the pool hands the range out, removed
+//!    before the free that publishes the range again (to the parking
+//!    lists, the heap, an arena or a pending group). Slabs, parked ranges,
+//!    arenas and movable regions are heap ranges too, but never here.
+//! 2. A parked range is an allocated heap range listed by exactly one
+//!    part, the slot of the stream that freed it; that stream alone may
+//!    take it back without waiting (stream order covers its old uses).
+//! 3. A part's `count` and `bytes` are written only under its lock, after
+//!    each change, for readers that do not take it.
+
+use super::exact::ParkedLists;
+use super::LargeLive;
+use crossbeam_utils::CachePadded;
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+
+/// A live large block: its range's length and its record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LiveEntry {
+    pub len: u64,
+    pub live: LargeLive,
+}
+
+/// One stream slot's part.
+#[derive(Debug, Default)]
+struct Part {
+    state: Mutex<PartState>,
+    /// Parked ranges and their bytes, as of the last change.
+    count: AtomicUsize,
+    bytes: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct PartState {
+    parked: ParkedLists,
+    live: FxHashMap<u64, LiveEntry>,
+}
+
+impl Part {
+    /// Publishes the parked counts after a change made under the lock.
+    #[inline]
+    fn publish(&self, st: &PartState) {
+        self.count.store(st.parked.count, Relaxed);
+        self.bytes.store(st.parked.bytes, Relaxed);
+    }
+}
+
+/// Every stream slot's large blocks (see the file's comment).
+#[derive(Debug)]
+pub(crate) struct StreamLarge {
+    /// Part `s` for slot `s`; the last for streams without a slot.
+    parts: Box<[CachePadded<Part>]>,
+    /// One part's addresses while [`StreamLarge::drain_sorted`] hands them
+    /// over (kept for its capacity; drains run under the heap lock).
+    scratch: Mutex<Vec<u64>>,
+}
+
+impl StreamLarge {
+    /// Parts for stream slots `0..slots`, and one for slotless streams.
+    pub(crate) fn new(slots: usize) -> Self {
+        StreamLarge {
+            parts: (0..=slots).map(|_| CachePadded::default()).collect(),
+            scratch: Mutex::default(),
+        }
+    }
+
+    /// The part of stream slot `slot`.
+    #[inline]
+    fn part(&self, slot: Option<u16>) -> usize {
+        let last = self.parts.len() - 1;
+        slot.map_or(last, |s| (s as usize).min(last))
+    }
+
+    // ---- the fast paths: one lock of the stream's own part ---------------------------
+
+    /// A range parked by `slot` of `len` bytes or a little more, handed
+    /// out at once as a live block `live`: `(addr, its length)`.
+    #[inline]
+    pub(crate) fn take_parked(&self, slot: u16, len: u64, live: LargeLive) -> Option<(u64, u64)> {
+        let p = self.parts.get(slot as usize)?;
+        if p.count.load(Relaxed) == 0 {
+            return None;
+        }
+        let mut st = p.state.lock();
+        let (addr, got) = st.parked.take(len)?;
+        let old = st.live.insert(addr, LiveEntry { len: got, live });
+        debug_assert!(old.is_none(), "a live large block at {addr:#x} already");
+        p.publish(&st);
+        Some((addr, got))
+    }
+
+    /// Frees the live block at `addr` of `len` bytes, allocated and freed
+    /// on `slot`, into `slot`'s parking lists; `false` (nothing changed)
+    /// if `slot`'s part does not hold it (it was allocated elsewhere).
+    #[inline]
+    pub(crate) fn park_live(&self, slot: u16, addr: u64, len: u64) -> bool {
+        let p = &self.parts[self.part(Some(slot))];
+        let mut st = p.state.lock();
+        if st.live.remove(&addr).is_none() {
+            return false;
+        }
+        st.parked.put(len, addr);
+        p.publish(&st);
+        true
+    }
+
+    /// The raw free of the block at `addr` on `slot`, into `slot`'s
+    /// parking lists, if `slot`'s part holds it as a raw block: what it
+    /// was. `None` changes nothing.
+    #[inline]
+    pub(crate) fn park_live_raw(&self, slot: u16, addr: u64) -> Option<LiveEntry> {
+        let p = &self.parts[self.part(Some(slot))];
+        let mut st = p.state.lock();
+        let e = *st.live.get(&addr).filter(|e| e.live.raw)?;
+        st.live.remove(&addr);
+        st.parked.put(e.len, addr);
+        p.publish(&st);
+        Some(e)
+    }
+
+    /// Parks a range of `len` bytes freed on `slot` (no longer live).
+    pub(crate) fn park(&self, slot: u16, len: u64, addr: u64) {
+        let p = &self.parts[self.part(Some(slot))];
+        let mut st = p.state.lock();
+        st.parked.put(len, addr);
+        p.publish(&st);
+    }
+
+    // ---- the live index ---------------------------------------------------------------
+
+    /// Records the block just handed out at `addr` by a stream of `slot`.
+    #[inline]
+    pub(crate) fn insert(&self, slot: Option<u16>, addr: u64, len: u64, live: LargeLive) {
+        let old = self.parts[self.part(slot)]
+            .state
+            .lock()
+            .live
+            .insert(addr, LiveEntry { len, live });
+        debug_assert!(old.is_none(), "a live large block at {addr:#x} already");
+    }
+
+    /// Runs `f` on the live map holding `addr`, looking first in `hint`'s
+    /// part, then in the slotless one, then in every other; `None` if no
+    /// part holds it.
+    fn with_live<R>(
+        &self,
+        hint: Option<u16>,
+        addr: u64,
+        mut f: impl FnMut(&mut FxHashMap<u64, LiveEntry>) -> R,
+    ) -> Option<R> {
+        let first = self.part(hint);
+        let last = self.parts.len() - 1;
+        let order = std::iter::once(first)
+            .chain((first != last).then_some(last))
+            .chain((0..last).filter(move |&p| p != first));
+        for p in order {
+            let mut st = self.parts[p].state.lock();
+            if st.live.contains_key(&addr) {
+                return Some(f(&mut st.live));
+            }
+        }
+        None
+    }
+
+    /// The live block at `addr`, if any (`hint`: see [`StreamLarge::remove`]).
+    pub(crate) fn get(&self, hint: Option<u16>, addr: u64) -> Option<LiveEntry> {
+        self.with_live(hint, addr, |m| m[&addr])
+    }
+
+    /// Takes the block at `addr` out of the live index (it is being
+    /// freed); what it was. `hint`: the slot of the stream it is freed on,
+    /// whose part is looked at first.
+    pub(crate) fn remove(&self, hint: Option<u16>, addr: u64) -> Option<LiveEntry> {
+        self.with_live(hint, addr, |m| m.remove(&addr)).flatten()
+    }
+
+    /// Takes the block at `addr` out if it is a raw allocation, in one
+    /// step (of two threads freeing one pointer, one gets it): `Ok` with
+    /// what it was, else `Err` with the block there, if any, left as it
+    /// was.
+    pub(crate) fn remove_raw(
+        &self,
+        hint: Option<u16>,
+        addr: u64,
+    ) -> Result<LiveEntry, Option<LiveEntry>> {
+        let found = self.with_live(hint, addr, |m| {
+            let e = m[&addr];
+            if e.live.raw {
+                m.remove(&addr);
+                Ok(e)
+            } else {
+                Err(Some(e))
+            }
+        });
+        found.unwrap_or(Err(None))
+    }
+
+    /// Bytes of the ranges of every live block (exact while no thread
+    /// allocates or frees meanwhile).
+    pub(crate) fn live_bytes(&self) -> u64 {
+        self.parts
+            .iter()
+            .map(|p| p.state.lock().live.values().map(|e| e.len).sum::<u64>())
+            .sum()
+    }
+
+    // ---- giving parked ranges back ----------------------------------------------------
+
+    /// Removes every parked range, passing each part's addresses to `f` at
+    /// once, ascending: freed in that order, ranges that sit side by side
+    /// (often parked neighbours) merge while their index entries are still
+    /// cached, and the granules' records are read in order, where class
+    /// order visited them at random (the lengths are the heap's to give:
+    /// bare addresses sort in half the instructions of `(addr, len)` pairs).
+    /// Each part's lock is held while `f` runs, so no range is ever out of
+    /// both the lists and the heap while its stream could look for it.
+    pub(crate) fn drain_sorted(&self, mut f: impl FnMut(u16, &[u64])) {
+        let mut scratch = self.scratch.lock();
+        for (slot, p) in self.parts.iter().enumerate() {
+            if p.count.load(Relaxed) == 0 {
+                continue;
+            }
+            let mut st = p.state.lock();
+            scratch.clear();
+            st.parked.drain_each(|_, a| scratch.push(a));
+            p.publish(&st);
+            if scratch.is_empty() {
+                continue;
+            }
+            scratch.sort_unstable();
+            f(slot as u16, &scratch);
+        }
+    }
+
+    /// Removes and returns the ranges parked by `slot` as `(len, addr)`.
+    pub(crate) fn drain_slot(&self, slot: u16) -> Vec<(u64, u64)> {
+        let p = &self.parts[self.part(Some(slot))];
+        let mut st = p.state.lock();
+        let mut out = Vec::new();
+        st.parked.drain_each(|l, a| out.push((l, a)));
+        p.publish(&st);
+        out
+    }
+
+    /// Every parked address (exact while no stream parks or takes).
+    pub(crate) fn parked_addrs(&self) -> Vec<u64> {
+        let mut out = Vec::new();
+        for p in self.parts.iter() {
+            out.extend(p.state.lock().parked.addrs());
+        }
+        out
+    }
+
+    /// Bytes parked (as last published by each part).
+    pub(crate) fn parked_bytes(&self) -> u64 {
+        self.parts.iter().map(|p| p.bytes.load(Relaxed)).sum()
+    }
+
+    /// Whether nothing is parked (as last published by each part).
+    pub(crate) fn nothing_parked(&self) -> bool {
+        self.parts.iter().all(|p| p.count.load(Relaxed) == 0)
+    }
+
+    /// Forgets every parked range and live block (teardown).
+    pub(crate) fn clear(&self) {
+        for p in self.parts.iter() {
+            let mut st = p.state.lock();
+            *st = PartState::default();
+            p.publish(&st);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn live(requested: u64, raw: bool) -> LargeLive {
+        LargeLive { requested, raw }
+    }
+
+    #[test]
+    fn blocks_are_found_from_any_stream_until_removed() {
+        let l = StreamLarge::new(4);
+        l.insert(Some(1), 0x20_0000, 4 << 20, live(4_000_000, true));
+        l.insert(Some(3), 0x80_0000, 2 << 20, live(2_000_000, false));
+        l.insert(None, 0xc0_0000, 1 << 20, live(1 << 20, false));
+        assert_eq!(l.live_bytes(), 7 << 20);
+        // Found with the right hint, another slot's, or none.
+        for hint in [Some(1), Some(0), None] {
+            assert_eq!(
+                l.get(hint, 0x20_0000).map(|e| e.live.requested),
+                Some(4_000_000)
+            );
+        }
+        assert_eq!(l.get(Some(2), 0xc0_0000).map(|e| e.len), Some(1 << 20));
+        // A typed block is not freed as raw, and stays.
+        let typed = l.remove_raw(Some(3), 0x80_0000).expect_err("not raw");
+        assert_eq!(typed.map(|e| e.len), Some(2 << 20));
+        assert_eq!(l.park_live_raw(3, 0x80_0000), None);
+        assert!(l.get(Some(3), 0x80_0000).is_some());
+        // A raw one is, once, whichever stream frees it.
+        assert_eq!(l.remove_raw(Some(2), 0x20_0000).map(|e| e.len), Ok(4 << 20));
+        assert_eq!(l.remove_raw(Some(1), 0x20_0000), Err(None));
+        assert_eq!(
+            l.remove(Some(3), 0x80_0000).map(|e| e.live.raw),
+            Some(false)
+        );
+        assert_eq!(l.remove(Some(3), 0x80_0000), None);
+        assert_eq!(l.remove(Some(0), 0xc0_0000).map(|e| e.len), Some(1 << 20));
+        assert_eq!(l.live_bytes(), 0);
+        assert!(l.nothing_parked());
+    }
+
+    #[test]
+    fn a_stream_takes_back_only_what_it_parked() {
+        let l = StreamLarge::new(2);
+        let mib = 1u64 << 20;
+        l.insert(Some(0), 0x100_0000, 4 * mib, live(4 * mib, false));
+        l.insert(Some(1), 0x200_0000, 4 * mib, live(4 * mib, true));
+        // Freed on a stream that did not allocate it: not parked there.
+        assert!(!l.park_live(1, 0x100_0000, 4 * mib));
+        assert!(l.park_live(0, 0x100_0000, 4 * mib));
+        assert_eq!(l.park_live_raw(1, 0x200_0000).map(|e| e.len), Some(4 * mib));
+        assert_eq!((l.parked_bytes(), l.live_bytes()), (8 * mib, 0));
+        // Each stream gets its own range back, live again.
+        assert_eq!(
+            l.take_parked(1, 4 * mib, live(5, true)),
+            Some((0x200_0000, 4 * mib))
+        );
+        assert_eq!(l.take_parked(1, 4 * mib, live(5, true)), None);
+        assert_eq!(
+            l.get(Some(1), 0x200_0000).map(|e| e.live.requested),
+            Some(5)
+        );
+        let mut drained = Vec::new();
+        l.drain_sorted(|s, a| drained.push((s, a.to_vec())));
+        assert_eq!(drained, vec![(0, vec![0x100_0000])]);
+        assert!(l.nothing_parked() && l.take_parked(0, 4 * mib, live(1, false)).is_none());
+        l.park(1, 2 * mib, 0x300_0000);
+        assert_eq!(l.drain_slot(1), vec![(2 * mib, 0x300_0000)]);
+        assert_eq!(l.parked_addrs(), Vec::<u64>::new());
+    }
+
+    #[test]
+    fn two_threads_freeing_one_raw_pointer_free_it_once() {
+        let l = StreamLarge::new(2);
+        for round in 0..200u64 {
+            let addr = 0x40_0000 + (round << 22);
+            l.insert(Some((round % 2) as u16), addr, 1 << 20, live(1 << 20, true));
+            let wins: usize = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..2u16)
+                    .map(|t| {
+                        let l = &l;
+                        s.spawn(move || {
+                            let won = if round % 3 == 0 {
+                                l.park_live_raw(t, addr).is_some()
+                                    || l.remove_raw(Some(t), addr).is_ok()
+                            } else {
+                                l.remove_raw(Some(t), addr).is_ok()
+                            };
+                            usize::from(won)
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().expect("no panic")).sum()
+            });
+            assert_eq!(wins, 1);
+            l.drain_sorted(|_, _| {});
+        }
+        assert_eq!(l.live_bytes(), 0);
+    }
+}
