@@ -140,6 +140,29 @@ impl fmt::Display for BenchReport {
             "  (cpu: the threads' CPU time over threads x wall time; under ~90% for gpupool\n   means other processes shared the cores and the scaling is understated)"
         )?;
         writeln!(f)?;
+        writeln!(
+            f,
+            "threads, large pairs (steps of 3, 5, 8, 12, 16, 24 MiB: all allocated, then all freed)"
+        )?;
+        writeln!(
+            f,
+            "  {:>7}  {:>10} {:>8} {:>4} {:>11}  {:>10} {:>13}",
+            "threads", "gpupool", "vs 1 thr", "cpu", "heap locks", "torch", "gpupool/torch"
+        )?;
+        for r in &self.threads {
+            writeln!(
+                f,
+                "  {:>7}  {:>10} {:>7.2}x {:>3.0}% {:>8.3}/op  {:>10} {:>12.1}x",
+                r.threads,
+                fmt_rate(r.gpupool_large_ops_per_sec),
+                r.gpupool_large_vs_1_thread,
+                r.gpupool_large_cpu_share * 100.0,
+                r.gpupool_large_heap_locks_per_op,
+                fmt_rate(r.torch_large_ops_per_sec),
+                r.gpupool_large_vs_torch
+            )?;
+        }
+        writeln!(f)?;
         let max = self
             .random_allocations
             .first()

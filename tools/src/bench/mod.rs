@@ -24,7 +24,9 @@
 //!   sharing one [`MutexBestFit`](baselines::MutexBestFit). Throughput is
 //!   in operations per second, where an operation is one alloc or one free
 //!   (a pair is two), over the wall time from a common start barrier to the
-//!   last thread's end. Each row also gives the threads' CPU time over
+//!   last thread's end. The same rows give large pairs (3–24 MiB in turn,
+//!   each reusing its stream's freed range) beside the PyTorch port, with
+//!   heap-lock acquisitions per operation. Each row also gives the threads' CPU time over
 //!   threads x wall time: on a machine shared with other work (load above
 //!   the core count) that share falls and the scaling figures mean little.
 //! * **`random_allocations`**: RAPIDS RMM's `random_allocations` benchmark:
@@ -189,6 +191,11 @@ mod tests {
             assert_eq!(row["threads"], i + 1);
             assert!(row["gpupool_ops_per_sec"].is_f64());
             assert!(row["mutex_best_fit_ops_per_sec"].is_f64());
+            assert!(row["gpupool_large_ops_per_sec"].as_f64().unwrap() > 0.0);
+            assert!(row["torch_large_ops_per_sec"].as_f64().unwrap() > 0.0);
+            // Every large pair after the first is served by the stream's
+            // parking cache, without the heap lock.
+            assert!(row["gpupool_large_heap_locks_per_op"].as_f64().unwrap() < 0.01);
         }
         let random = j["random_allocations"].as_array().unwrap();
         assert_eq!(
@@ -215,7 +222,9 @@ mod tests {
         assert!(figures > 20, "{figures}");
         assert!(j["machine"]["cores"].as_u64().unwrap() >= 1);
         assert_eq!(j["quick"], true);
-        assert_eq!(r.targets.len(), 4, "no n = 1e5 row in quick mode");
+        // Small and large pair, three 2-thread ratios; no n = 1e5 row and
+        // no 8-thread row in quick mode with 2 threads.
+        assert_eq!(r.targets.len(), 5, "{:?}", r.targets);
         // The pools were built and grown through the driver, and costed.
         assert!(
             r.driver_calls["cuMemAddressReserve"] > 0,

@@ -118,6 +118,22 @@ pub struct ThreadsRow {
     /// The same for the mutex baseline; here waits for the lock (futex
     /// sleeps) lower it too.
     pub mutex_best_fit_cpu_share: f64,
+    /// gpupool operations per second of large pairs, all threads: steps of
+    /// six blocks of 3–24 MiB, all allocated then all freed on the thread's
+    /// stream (each step reuses the ranges the one before freed).
+    pub gpupool_large_ops_per_sec: f64,
+    /// Heap mutex acquisitions per operation of the large pairs (0 when
+    /// every pair is served by the stream's parking cache).
+    pub gpupool_large_heap_locks_per_op: f64,
+    /// gpupool large-pair throughput over its 1-thread throughput.
+    pub gpupool_large_vs_1_thread: f64,
+    /// Share of the wall time gpupool's large-pair threads were on a CPU.
+    pub gpupool_large_cpu_share: f64,
+    /// The PyTorch port's operations per second of the same large pairs,
+    /// each thread on its own stream.
+    pub torch_large_ops_per_sec: f64,
+    /// gpupool large-pair throughput over the PyTorch port's.
+    pub gpupool_large_vs_torch: f64,
 }
 
 /// One row of RMM's random_allocations benchmark.
@@ -188,6 +204,20 @@ pub(super) fn targets(r: &BenchReport) -> Vec<Target> {
             ">= 1.6",
             row.gpupool_vs_1_thread,
             row.gpupool_vs_1_thread >= 1.6,
+        );
+        push(
+            "2 threads, large pairs: gpupool / gpupool 1 thread",
+            ">= 1.8",
+            row.gpupool_large_vs_1_thread,
+            row.gpupool_large_vs_1_thread >= 1.8,
+        );
+    }
+    if let Some(row) = r.threads.iter().find(|row| row.threads == 8) {
+        push(
+            "8 threads, large pairs: gpupool / gpupool 1 thread",
+            ">= 1",
+            row.gpupool_large_vs_1_thread,
+            row.gpupool_large_vs_1_thread >= 1.0,
         );
     }
     if let Some(row) = r.random_allocations.iter().find(|row| row.n == 100_000) {

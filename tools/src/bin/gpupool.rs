@@ -76,6 +76,10 @@ enum Command {
         /// GPUPOOL_CONF=driver_costs=<file>.
         #[arg(long, requires = "gpu", value_name = "PATH")]
         calibrate: Option<std::path::PathBuf>,
+        /// Most threads of the thread tables (default: the cores, at
+        /// least 2).
+        #[arg(long, value_name = "N")]
+        threads: Option<usize>,
     },
     /// Multi-device, multi-stream, multi-thread stress on the simulator, with
     /// integrity verification and a progress bar.
@@ -486,6 +490,7 @@ fn run() -> Result<()> {
             quick,
             gpu: true,
             calibrate,
+            ..
         } => {
             if let Some(path) = calibrate {
                 let table = gpupool_tools::bench::gpu::calibrate(quick)?;
@@ -501,12 +506,17 @@ fn run() -> Result<()> {
                 print!("{report}");
             }
         }
-        Command::Bench { json, quick, .. } => {
+        Command::Bench {
+            json,
+            quick,
+            threads,
+            ..
+        } => {
             let cfg = PoolConfig::from_env().context("GPUPOOL_CONF")?;
             let report = gpupool_tools::bench::run(&gpupool_tools::bench::BenchOptions {
                 quick,
+                max_threads: threads,
                 driver_costs: cfg.driver_costs,
-                ..Default::default()
             })?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
