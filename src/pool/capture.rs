@@ -249,7 +249,7 @@ impl PoolShared {
         }
         let d = std::mem::take(&mut *self.capture.deferred.lock());
         for x in d {
-            self.release_block(x.ptr, x.kind, x.requested, &x.stream, &x.extra);
+            self.free_block(x.ptr, x.kind, x.requested, &x.stream, &x.extra);
         }
     }
 

@@ -131,7 +131,7 @@ impl PoolShared {
                 let slot = self.slabs.slot_at(id, addr).ok_or(unknown.clone())?;
                 if !self.slabs.is_raw_live(slot.idx) {
                     return Err(Error::InvalidArgument(format!(
-                        "{addr:#x} is not a live raw allocation (only raw pointers and large blocks are exported)"
+                        "{addr:#x} is not a live raw allocation (only raw pointers are exported)"
                     )));
                 }
                 Some(self.slabs.requested(slot.idx))
@@ -144,6 +144,12 @@ impl PoolShared {
             Some(n) => n,
             None => match self.by_stream.get(None, addr) {
                 Some(e) => e.live.requested,
+                // Typed large blocks are not listed (`stream_large.rs`).
+                None if h.heap.allocated_len(addr).is_some() => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{addr:#x} is not a live raw allocation (only raw pointers are exported)"
+                    )))
+                }
                 None => return Err(unknown),
             },
         };

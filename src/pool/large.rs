@@ -42,7 +42,9 @@ impl PoolShared {
             return Ok(r);
         }
         let keep = |_: &mut HeapState, addr: u64| {
-            self.by_stream.insert(stream.slot(), addr, len, live);
+            if live.raw {
+                self.by_stream.insert(stream.slot(), addr, len, live);
+            }
             Ok((addr, len))
         };
         {

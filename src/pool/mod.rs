@@ -565,7 +565,9 @@ impl PoolShared {
                 };
                 let (addr, len) = match planned {
                     plan::Serve::Planned(addr) => {
-                        self.by_stream.insert(slot, addr, len, live);
+                        if raw {
+                            self.by_stream.insert(slot, addr, len, live);
+                        }
                         (addr, len)
                     }
                     plan::Serve::Dynamic { record } => {
@@ -745,44 +747,7 @@ impl PoolShared {
 
     // ---- freeing ------------------------------------------------------------------------
 
-    /// Frees a block allocated on `stream` and also used on `extra` streams.
-    fn record(&self, action: HistoryAction, addr: u64, size: u64, stream: StreamHandle) {
-        let mut h = self.history.lock();
-        let time_us = h.start.map_or(0, |t| t.elapsed().as_micros() as u64);
-        h.events.push(HistoryEvent {
-            action,
-            addr,
-            size,
-            stream: stream.raw(),
-            time_us,
-        });
-    }
-
-    pub(crate) fn free_block(
-        &self,
-        ptr: DevicePtr,
-        kind: Kind,
-        requested: u64,
-        stream: &Stream,
-        extra: &[Arc<StreamCore>],
-    ) {
-        if let Kind::Large { len } = kind {
-            let addr = ptr.addr();
-            // The common case, a block freed on the stream that allocated
-            // it and used nowhere else: out of the live index and into the
-            // stream's parking lists under one lock of the stream's own.
-            if let Some(s) = self.parks_at_once(stream, extra) {
-                if self.by_stream.park_live(s, addr, len) {
-                    self.counters.on_free(requested, len);
-                    return;
-                }
-            }
-            self.by_stream.remove(stream.slot(), addr);
-        }
-        self.release_block(ptr, kind, requested, stream, extra);
-    }
-
-    /// The stream slot a large free on `stream` parks at once, without
+    /// The stream slot a raw large free on `stream` parks at once, without
     /// the general path's steps: none while a capture, history recording,
     /// learned steps or tagged blocks ask for those steps, or when the
     /// block was used on other streams too.
@@ -796,10 +761,23 @@ impl PoolShared {
         stream.slot().filter(|_| quiet)
     }
 
-    /// [`PoolShared::free_block`] of a block already out of the live
-    /// index (`live_large.rs`): a raw free took it out to check it, a
-    /// deferred free when it was first freed.
-    pub(crate) fn release_block(
+    /// Logs an allocation or free in the recorded history.
+    fn record(&self, action: HistoryAction, addr: u64, size: u64, stream: StreamHandle) {
+        let mut h = self.history.lock();
+        let time_us = h.start.map_or(0, |t| t.elapsed().as_micros() as u64);
+        h.events.push(HistoryEvent {
+            action,
+            addr,
+            size,
+            stream: stream.raw(),
+            time_us,
+        });
+    }
+
+    /// Frees a block allocated on `stream` and also used on `extra`
+    /// streams. A raw large block must be out of the live index already
+    /// (`free_raw` takes it out to check it; see `stream_large.rs`).
+    pub(crate) fn free_block(
         &self,
         ptr: DevicePtr,
         kind: Kind,

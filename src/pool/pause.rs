@@ -258,7 +258,9 @@ impl PoolShared {
                     Err(e) => return Err(e),
                 },
             };
-            this.by_stream.insert(stream.slot(), t.addr, len, live);
+            if live.raw {
+                this.by_stream.insert(stream.slot(), t.addr, len, live);
+            }
             Ok(Some(t.addr))
         };
         if let Some(a) = attempt(self)? {

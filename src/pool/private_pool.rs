@@ -36,7 +36,7 @@
 
 use super::size_class::ALIGN;
 use super::stream::Stream;
-use super::{DevicePool, Kind, LargeLive, PoolShared, StreamCore};
+use super::{DevicePool, Kind, PoolShared, StreamCore};
 use crate::error::{Error, Result};
 use crate::ptr::DevicePtr;
 use parking_lot::Mutex;
@@ -282,11 +282,6 @@ impl PoolShared {
         if !q.is_empty() {
             h.quarantine.push((Default::default(), q));
         }
-        let live = LargeLive {
-            requested: seg_len,
-            raw: false,
-        };
-        self.by_stream.insert(None, t.addr, seg_len, live);
         drop(h);
         self.counters.on_alloc(seg_len, seg_len);
         Ok(t.addr)

@@ -73,14 +73,21 @@ impl PoolShared {
                 )))
             }
             Err(None) => {
-                // Not live: if the address starts free or parked memory of
-                // this pool, or lies in a learned step's arena, it was
-                // freed already.
-                let freed = (self.plans.enabled() && self.plans.in_arena(addr)) || {
+                // No live raw block: a typed block's start (typed blocks
+                // are not listed) is not one; if the address starts free
+                // or parked memory of this pool, or lies in a learned
+                // step's arena, it was freed already.
+                let in_arena = self.plans.enabled() && self.plans.in_arena(addr);
+                let (allocated, free) = {
                     let h = self.heap.lock();
-                    h.heap.allocated_len(addr).is_some() || h.heap.is_free(addr)
+                    (h.heap.allocated_len(addr).is_some(), h.heap.is_free(addr))
                 };
-                return Err(if freed {
+                if allocated && !in_arena && !self.by_stream.parked_addrs().contains(&addr) {
+                    return Err(Error::InvalidArgument(format!(
+                        "{addr:#x} is a block, not a raw allocation"
+                    )));
+                }
+                return Err(if allocated || free || in_arena {
                     Error::DoubleFree {
                         ptr: addr,
                         device: self.dev,
@@ -94,7 +101,7 @@ impl PoolShared {
             }
         };
         let extra = self.take_recorded_streams(addr);
-        self.release_block(
+        self.free_block(
             ptr,
             Kind::Large { len: e.len },
             e.live.requested,

@@ -9,26 +9,27 @@
 //! back (`drain_*`, with the part locks nested inside it: heap, then part,
 //! never the other way round).
 //!
-//! The live index says what a free (typed or raw: the C ABI and PyTorch
-//! path keep only an address), `record_stream`, IPC export, the census and
-//! the audit need to know of a live large block: its range length, bytes
-//! requested, raw or typed. A lookup names the part to try first (the
-//! freeing stream's: in PyTorch, as in the Rust API, a block is freed on
-//! the stream that allocated it); only a block freed on another stream,
-//! and a bad pointer, visit every part.
+//! The live index holds the raw large blocks (the C ABI and PyTorch path
+//! keep only an address): what a raw free, `record_stream`, IPC export and
+//! the census need to know of one: its range length and bytes requested.
+//! A typed [`Block`](super::Block) carries all that itself, so typed blocks
+//! are not listed and their reuse touches no map at all. A lookup names
+//! the part to try first (the freeing stream's: in PyTorch a block is
+//! freed on the stream that allocated it); only a block freed on another
+//! stream, and a bad pointer, visit every part.
 //!
 //! Invariants:
-//! 1. An address is in the live index exactly while a large block handed
-//!    to a caller is live at it (planned blocks of learned steps
+//! 1. An address is in the live index exactly while a raw large block
+//!    handed to a caller is live at it (planned blocks of learned steps
 //!    included): inserted when the pool hands the range out, removed
 //!    before the free that publishes the range again (to the parking
-//!    lists, the heap, an arena or a pending group). Slabs, parked ranges,
-//!    arenas and movable regions are heap ranges too, but never here.
+//!    lists, the heap, an arena or a pending group).
 //! 2. A parked range is an allocated heap range listed by exactly one
 //!    part, the slot of the stream that freed it; that stream alone may
 //!    take it back without waiting (stream order covers its old uses).
 //! 3. A part's `count` and `bytes` are written only under its lock, after
 //!    each change, for readers that do not take it.
+//! 4. A raw block is listed by the part of the stream that allocated it.
 
 use super::exact::ParkedLists;
 use super::LargeLive;
@@ -56,7 +57,89 @@ struct Part {
 #[derive(Debug, Default)]
 struct PartState {
     parked: ParkedLists,
-    live: FxHashMap<u64, LiveEntry>,
+    live: LiveIndex,
+}
+
+/// Changes to a part's live index held back before they are made in one
+/// pass (see [`LiveIndex`]).
+const LOG: usize = 128;
+/// Most recent log entries a removal looks through for its block's insert.
+const CANCEL: usize = 8;
+
+/// A part's live raw blocks by address, with the inserts of the fast
+/// path held back in a short log, made in one pass when it fills or
+/// before anything reads the map.
+///
+/// A block allocated at random among many live ones has a cold map entry:
+/// inserted at once, its miss holds up the allocation; made in a pass,
+/// one after another, independent misses overlap. A removal reads the
+/// entry (a raw free checks it): one freed within [`CANCEL`] changes of
+/// its allocation (a PyTorch tensor freed after its kernel, a pair) finds
+/// its insert still in the log and cancels it, touching no map.
+#[derive(Debug, Default)]
+struct LiveIndex {
+    map: FxHashMap<u64, LiveEntry>,
+    /// Inserts not yet made, oldest first (no address twice: invariant 1).
+    log: Vec<(u64, LiveEntry)>,
+}
+
+impl LiveIndex {
+    #[inline]
+    fn insert(&mut self, addr: u64, e: LiveEntry) {
+        if self.log.capacity() == 0 {
+            self.log.reserve_exact(LOG);
+        }
+        self.log.push((addr, e));
+        if self.log.len() >= LOG {
+            self.apply();
+        }
+    }
+
+    /// Makes the logged inserts.
+    fn apply(&mut self) {
+        for (addr, e) in self.log.drain(..) {
+            let old = self.map.insert(addr, e);
+            debug_assert!(old.is_none(), "a live large block at {addr:#x} already");
+        }
+    }
+
+    /// The map, with every insert made.
+    #[inline]
+    fn map(&mut self) -> &mut FxHashMap<u64, LiveEntry> {
+        if !self.log.is_empty() {
+            self.apply();
+        }
+        &mut self.map
+    }
+
+    /// Takes the block at `addr` out if `take(its entry)`: `Ok` with the
+    /// entry, else `Err` with the block there, if any, left as it was.
+    #[inline]
+    fn take_if(
+        &mut self,
+        addr: u64,
+        take: impl Fn(&LiveEntry) -> bool,
+    ) -> Result<LiveEntry, Option<LiveEntry>> {
+        // Freed soon after its allocation (the usual reuse): its insert
+        // is still logged, and goes without touching the map.
+        let n = self.log.len();
+        if let Some(i) = (n.saturating_sub(CANCEL)..n)
+            .rev()
+            .find(|&i| self.log[i].0 == addr)
+        {
+            let e = self.log[i].1;
+            if !take(&e) {
+                return Err(Some(e));
+            }
+            self.log.remove(i);
+            return Ok(e);
+        }
+        let m = self.map();
+        match m.get(&addr) {
+            Some(e) if take(e) => Ok(m.remove(&addr).expect("just found")),
+            other => Err(other.copied()),
+        }
+    }
 }
 
 impl Part {
@@ -97,7 +180,8 @@ impl StreamLarge {
     // ---- the fast paths: one lock of the stream's own part ---------------------------
 
     /// A range parked by `slot` of `len` bytes or a little more, handed
-    /// out at once as a live block `live`: `(addr, its length)`.
+    /// out at once as a live block `live` (listed if raw): `(addr, its
+    /// length)`.
     #[inline]
     pub(crate) fn take_parked(&self, slot: u16, len: u64, live: LargeLive) -> Option<(u64, u64)> {
         let p = self.parts.get(slot as usize)?;
@@ -106,25 +190,11 @@ impl StreamLarge {
         }
         let mut st = p.state.lock();
         let (addr, got) = st.parked.take(len)?;
-        let old = st.live.insert(addr, LiveEntry { len: got, live });
-        debug_assert!(old.is_none(), "a live large block at {addr:#x} already");
+        if live.raw {
+            st.live.insert(addr, LiveEntry { len: got, live });
+        }
         p.publish(&st);
         Some((addr, got))
-    }
-
-    /// Frees the live block at `addr` of `len` bytes, allocated and freed
-    /// on `slot`, into `slot`'s parking lists; `false` (nothing changed)
-    /// if `slot`'s part does not hold it (it was allocated elsewhere).
-    #[inline]
-    pub(crate) fn park_live(&self, slot: u16, addr: u64, len: u64) -> bool {
-        let p = &self.parts[self.part(Some(slot))];
-        let mut st = p.state.lock();
-        if st.live.remove(&addr).is_none() {
-            return false;
-        }
-        st.parked.put(len, addr);
-        p.publish(&st);
-        true
     }
 
     /// The raw free of the block at `addr` on `slot`, into `slot`'s
@@ -134,8 +204,7 @@ impl StreamLarge {
     pub(crate) fn park_live_raw(&self, slot: u16, addr: u64) -> Option<LiveEntry> {
         let p = &self.parts[self.part(Some(slot))];
         let mut st = p.state.lock();
-        let e = *st.live.get(&addr).filter(|e| e.live.raw)?;
-        st.live.remove(&addr);
+        let e = st.live.take_if(addr, |e| e.live.raw).ok()?;
         st.parked.put(e.len, addr);
         p.publish(&st);
         Some(e)
@@ -154,12 +223,11 @@ impl StreamLarge {
     /// Records the block just handed out at `addr` by a stream of `slot`.
     #[inline]
     pub(crate) fn insert(&self, slot: Option<u16>, addr: u64, len: u64, live: LargeLive) {
-        let old = self.parts[self.part(slot)]
+        self.parts[self.part(slot)]
             .state
             .lock()
             .live
             .insert(addr, LiveEntry { len, live });
-        debug_assert!(old.is_none(), "a live large block at {addr:#x} already");
     }
 
     /// Runs `f` on the live map holding `addr`, looking first in `hint`'s
@@ -178,23 +246,18 @@ impl StreamLarge {
             .chain((0..last).filter(move |&p| p != first));
         for p in order {
             let mut st = self.parts[p].state.lock();
-            if st.live.contains_key(&addr) {
-                return Some(f(&mut st.live));
+            let m = st.live.map();
+            if m.contains_key(&addr) {
+                return Some(f(m));
             }
         }
         None
     }
 
-    /// The live block at `addr`, if any (`hint`: see [`StreamLarge::remove`]).
+    /// The live raw block at `addr`, if any (`hint`: the slot whose part
+    /// is looked at first).
     pub(crate) fn get(&self, hint: Option<u16>, addr: u64) -> Option<LiveEntry> {
         self.with_live(hint, addr, |m| m[&addr])
-    }
-
-    /// Takes the block at `addr` out of the live index (it is being
-    /// freed); what it was. `hint`: the slot of the stream it is freed on,
-    /// whose part is looked at first.
-    pub(crate) fn remove(&self, hint: Option<u16>, addr: u64) -> Option<LiveEntry> {
-        self.with_live(hint, addr, |m| m.remove(&addr)).flatten()
     }
 
     /// Takes the block at `addr` out if it is a raw allocation, in one
@@ -223,7 +286,15 @@ impl StreamLarge {
     pub(crate) fn live_bytes(&self) -> u64 {
         self.parts
             .iter()
-            .map(|p| p.state.lock().live.values().map(|e| e.len).sum::<u64>())
+            .map(|p| {
+                p.state
+                    .lock()
+                    .live
+                    .map()
+                    .values()
+                    .map(|e| e.len)
+                    .sum::<u64>()
+            })
             .sum()
     }
 
@@ -325,13 +396,7 @@ mod tests {
         // A raw one is, once, whichever stream frees it.
         assert_eq!(l.remove_raw(Some(2), 0x20_0000).map(|e| e.len), Ok(4 << 20));
         assert_eq!(l.remove_raw(Some(1), 0x20_0000), Err(None));
-        assert_eq!(
-            l.remove(Some(3), 0x80_0000).map(|e| e.live.raw),
-            Some(false)
-        );
-        assert_eq!(l.remove(Some(3), 0x80_0000), None);
-        assert_eq!(l.remove(Some(0), 0xc0_0000).map(|e| e.len), Some(1 << 20));
-        assert_eq!(l.live_bytes(), 0);
+        assert_eq!(l.live_bytes(), 3 << 20);
         assert!(l.nothing_parked());
     }
 
@@ -339,11 +404,8 @@ mod tests {
     fn a_stream_takes_back_only_what_it_parked() {
         let l = StreamLarge::new(2);
         let mib = 1u64 << 20;
-        l.insert(Some(0), 0x100_0000, 4 * mib, live(4 * mib, false));
         l.insert(Some(1), 0x200_0000, 4 * mib, live(4 * mib, true));
-        // Freed on a stream that did not allocate it: not parked there.
-        assert!(!l.park_live(1, 0x100_0000, 4 * mib));
-        assert!(l.park_live(0, 0x100_0000, 4 * mib));
+        l.park(0, 4 * mib, 0x100_0000);
         assert_eq!(l.park_live_raw(1, 0x200_0000).map(|e| e.len), Some(4 * mib));
         assert_eq!((l.parked_bytes(), l.live_bytes()), (8 * mib, 0));
         // Each stream gets its own range back, live again.

@@ -598,8 +598,6 @@ impl PoolShared {
                 return record_again();
             }
         };
-        // An arena is no block (see `stream_large.rs`).
-        self.by_stream.remove(Some(slot), base);
         self.plans.index.write().insert(base, (len, slot));
         self.plans.arena_bytes.fetch_add(len, Relaxed);
         self.plans.plans.fetch_add(1, Relaxed);
