@@ -52,6 +52,9 @@ struct Part {
     /// Parked ranges and their bytes, as of the last change.
     count: AtomicUsize,
     bytes: AtomicU64,
+    /// Live raw blocks listed, as of the last change: a lookup passes a
+    /// part with none without locking it.
+    live: AtomicUsize,
 }
 
 #[derive(Debug, Default)]
@@ -93,6 +96,12 @@ impl LiveIndex {
         if self.log.len() >= LOG {
             self.apply();
         }
+    }
+
+    /// Blocks listed, logged ones included.
+    #[inline]
+    fn len(&self) -> usize {
+        self.map.len() + self.log.len()
     }
 
     /// Makes the logged inserts.
@@ -148,6 +157,7 @@ impl Part {
     fn publish(&self, st: &PartState) {
         self.count.store(st.parked.count, Relaxed);
         self.bytes.store(st.parked.bytes, Relaxed);
+        self.live.store(st.live.len(), Relaxed);
     }
 }
 
@@ -223,11 +233,10 @@ impl StreamLarge {
     /// Records the block just handed out at `addr` by a stream of `slot`.
     #[inline]
     pub(crate) fn insert(&self, slot: Option<u16>, addr: u64, len: u64, live: LargeLive) {
-        self.parts[self.part(slot)]
-            .state
-            .lock()
-            .live
-            .insert(addr, LiveEntry { len, live });
+        let p = &self.parts[self.part(slot)];
+        let mut st = p.state.lock();
+        st.live.insert(addr, LiveEntry { len, live });
+        p.publish(&st);
     }
 
     /// Runs `f` on the live map holding `addr`, looking first in `hint`'s
@@ -245,10 +254,19 @@ impl StreamLarge {
             .chain((first != last).then_some(last))
             .chain((0..last).filter(move |&p| p != first));
         for p in order {
-            let mut st = self.parts[p].state.lock();
+            // A block the caller may look up was listed before the call
+            // (its allocation happened before), so a part that published
+            // none holds none of those.
+            let part = &self.parts[p];
+            if part.live.load(Relaxed) == 0 {
+                continue;
+            }
+            let mut st = part.state.lock();
             let m = st.live.map();
             if m.contains_key(&addr) {
-                return Some(f(m));
+                let r = f(m);
+                part.publish(&st);
+                return Some(r);
             }
         }
         None
