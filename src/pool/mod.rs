@@ -749,12 +749,10 @@ impl PoolShared {
 
     /// The stream slot a raw large free on `stream` parks at once, without
     /// the general path's steps: none while a capture, history recording,
-    /// learned steps or tagged blocks ask for those steps, or when the
-    /// block was used on other streams too.
+    /// learned steps or tagged blocks ask for those steps.
     #[inline]
-    fn parks_at_once(&self, stream: &Stream, extra: &[Arc<StreamCore>]) -> Option<u16> {
-        let quiet = extra.is_empty()
-            && !self.capture.underway()
+    fn parks_at_once(&self, stream: &Stream) -> Option<u16> {
+        let quiet = !self.capture.underway()
             && !self.recording.load(Relaxed)
             && !self.plans.enabled()
             && self.tags.is_empty();

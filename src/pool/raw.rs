@@ -50,8 +50,8 @@ impl PoolShared {
         }
         // The common case at once: a raw block freed on the stream that
         // allocated it, recorded on no other stream, parked under one lock
-        // of that stream's own (see `free_block`).
-        if let Some(s) = self.parks_at_once(stream, &[]) {
+        // of that stream's own.
+        if let Some(s) = self.parks_at_once(stream) {
             let none_recorded = self
                 .recorded_entries
                 .load(std::sync::atomic::Ordering::Acquire)
