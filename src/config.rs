@@ -43,6 +43,11 @@ pub struct PoolConfig {
     pub handover: bool,
     /// Keep per-thread caches of small slots.
     pub thread_cache: bool,
+    /// Granules the large path may steal (stitch) per granule it holds
+    /// before the next request that would steal grows device memory
+    /// instead; 0: always steal while stealing serves. See
+    /// `pool/heap/stitch.rs`.
+    pub stitch_budget: f64,
     /// Start an idle-time compaction pass after this long without traffic
     /// (`None`: never automatically).
     pub idle: Option<Duration>,
@@ -89,6 +94,7 @@ impl Default for PoolConfig {
             va_factor: 4,
             handover: true,
             thread_cache: true,
+            stitch_budget: 0.0,
             idle: None,
             compact_max_bytes: 256 << 20,
             compact_max_blocks: 4096,
@@ -143,6 +149,10 @@ impl PoolConfig {
         (
             "va_factor",
             "large-path address space per device, times its memory (default 4)",
+        ),
+        (
+            "stitch_budget",
+            "granules stitched per granule held before growing instead (default 0: always stitch)",
         ),
         (
             "handover",
@@ -267,6 +277,15 @@ impl PoolConfig {
                     }
                 }
                 "handover" => c.handover = parse_bool(value).map_err(bad)?,
+                "stitch_budget" => {
+                    let v: f64 = value
+                        .parse()
+                        .map_err(|_| bad(format!("{value}: expected a number")))?;
+                    if !(v.is_finite() && v >= 0.0) {
+                        return Err(bad(format!("{value}: expected a finite number >= 0")));
+                    }
+                    c.stitch_budget = v;
+                }
                 "thread_cache" => c.thread_cache = parse_bool(value).map_err(bad)?,
                 "idle_ms" => {
                     let ms = parse_u64(value).map_err(bad)?;
@@ -488,6 +507,18 @@ mod tests {
             PoolConfig::parse("vmm=maybe"),
             Err(Error::Config { .. })
         ));
+        for bad in ["-1", "NaN", "inf", "lots"] {
+            match PoolConfig::parse(&format!("stitch_budget={bad}")) {
+                Err(Error::Config { key, .. }) => assert_eq!(key, "stitch_budget"),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+        assert_eq!(
+            PoolConfig::parse("stitch_budget=2.5")
+                .unwrap()
+                .stitch_budget,
+            2.5
+        );
     }
 
     #[test]

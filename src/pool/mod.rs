@@ -234,6 +234,7 @@ impl DevicePool {
             .limit
             .set(limits::configured(&cfg, info.total_bytes));
         heap.limit = pool_limits.limit.clone();
+        heap.stitch_budget = cfg.stitch_budget;
         let reservation = heap.reservation();
         let shared = Arc::new(PoolShared {
             dev,

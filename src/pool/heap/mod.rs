@@ -182,6 +182,12 @@ pub(crate) struct Heap {
     /// Paused allocated ranges, addr -> len, and their bytes (`pause.rs`).
     paused: FxHashMap<u64, u64>,
     paused_bytes: u64,
+    /// Granules stitching may steal, in units of the heap's reserved
+    /// granules, before the next request that would steal grows the
+    /// device memory instead (`stitch_budget`; 0: always steal).
+    pub(crate) stitch_budget: f64,
+    /// Granules stolen since the heap last grew in place of a steal.
+    stolen_since_growth: u64,
 }
 
 fn align_up(v: u64, a: u64) -> u64 {
@@ -238,6 +244,8 @@ impl Heap {
             limit: super::limits::Limit::default(),
             paused: FxHashMap::default(),
             paused_bytes: 0,
+            stitch_budget: 0.0,
+            stolen_since_growth: 0,
             backend,
         };
         if info.vmm_supported {

@@ -93,29 +93,31 @@ impl Heap {
         }
         let need_len: usize = runs.iter().map(|r| r.1 as usize).sum();
         debug_assert_eq!(need_len as u64, self.unbacked(start, len));
-        let mut victims = self.stealable(ctx, need_len.saturating_sub(self.spare_len()));
-        let reusable = self.spare_len() + victims.iter().map(|v| v.1 as usize).sum::<usize>();
-        let shortfall = need_len.saturating_sub(reusable);
-        if let Err(e) = self
-            .limit
-            .admit(self.dev, self.reserved, shortfall as u64 * self.gran)
-        {
-            self.drop_users(start, len);
-            return Err(e);
-        }
-        let mut created = Vec::with_capacity(shortfall);
-        for _ in 0..shortfall {
-            match self.backend.create_chunk(self.dev, self.gran) {
-                Ok(c) => created.push(c),
-                Err(e) => {
-                    for c in created {
-                        let _ = self.backend.release_chunk(self.dev, c);
-                    }
-                    self.drop_users(start, len);
-                    return Err(e);
+        let want = need_len.saturating_sub(self.spare_len());
+        // Grow in place of this steal once stitching has remapped its
+        // budget (see `stitch_budget`); a growth the limit or the device
+        // refuses steals after all (stitching is what averts the OOM).
+        let grow = self.growth_due(want);
+        let (mut victims, created) =
+            match grow.then(|| self.create_chunks(want)).and_then(|r| r.ok()) {
+                Some(created) => {
+                    self.stolen_since_growth = 0;
+                    (Vec::new(), created)
                 }
-            }
-        }
+                None => {
+                    let victims = self.stealable(ctx, want);
+                    let reusable =
+                        self.spare_len() + victims.iter().map(|v| v.1 as usize).sum::<usize>();
+                    match self.create_chunks(need_len.saturating_sub(reusable)) {
+                        Ok(created) => (victims, created),
+                        Err(e) => {
+                            self.drop_users(start, len);
+                            return Err(e);
+                        }
+                    }
+                }
+            };
+        let shortfall = created.len();
         self.device_allocs += created.len() as u64;
         self.reserved += created.len() as u64 * self.gran;
         if !created.is_empty() {
@@ -146,6 +148,7 @@ impl Heap {
             self.drop_users(start, len);
             return Err(e);
         }
+        self.stolen_since_growth += steals.stolen.len() as u64;
         // Every needed granule's chunk, in order: the spare chunks first
         // (as `take_spare` pops them), then the stolen ones, last stolen
         // first. Stealing took exactly the rest, so one vector serves
@@ -216,6 +219,45 @@ impl Heap {
             let hi = stolen.iter().position(is_aliased).expect("one is aliased");
             (granule_of(lo), granule_of(hi))
         }))
+    }
+
+    /// Whether a request short of `want` granules grows the device memory
+    /// instead of stealing them: stitching has stolen `stitch_budget`
+    /// times the heap's reserved granules since the last such growth.
+    /// Ski rental: a workload whose free memory stays fragmented (a server
+    /// whose request sizes never repeat) would otherwise remap granules on
+    /// every few requests forever, each steal an unmap, a map and an
+    /// access grant; past the budget the pool buys the memory once, and
+    /// the budget grows with what it holds, so the growth settles.
+    fn growth_due(&self, want: usize) -> bool {
+        want > 0
+            && self.stitch_budget > 0.0
+            && self.stolen_since_growth as f64
+                >= self.stitch_budget * (self.reserved / self.gran) as f64
+            && self
+                .limit
+                .admit(self.dev, self.reserved, want as u64 * self.gran)
+                .is_ok()
+    }
+
+    /// Creates `n` chunks (all or none), counted as reserved, onto the
+    /// spare list's side: returned for the caller to push.
+    fn create_chunks(&mut self, n: usize) -> Result<Vec<ChunkHandle>> {
+        self.limit
+            .admit(self.dev, self.reserved, n as u64 * self.gran)?;
+        let mut created = Vec::with_capacity(n);
+        for _ in 0..n {
+            match self.backend.create_chunk(self.dev, self.gran) {
+                Ok(c) => created.push(c),
+                Err(e) => {
+                    for c in created {
+                        let _ = self.backend.release_chunk(self.dev, c);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(created)
     }
 
     /// Steals the chunks of `victims` (runs of idle granules in

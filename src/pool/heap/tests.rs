@@ -58,3 +58,66 @@ fn a_failed_second_run_unmaps_the_first_and_puts_every_chunk_back() {
     assert_eq!(ok.addr, base);
     heap.check().unwrap();
 }
+
+/// `stitch_budget`: a heap that has stolen its budget grows in place of
+/// the next steal (and starts counting again); with no budget, a budget
+/// not yet spent, or a limit that leaves no room to grow, it steals. Each
+/// case runs the same requests: 4 MiB blocks a, b, c, d; a and c freed
+/// (two holes no 8 MiB request fits); an 8 MiB request e, stitched from
+/// them; b and d freed (two holes again); another 8 MiB request.
+#[test]
+fn past_its_stitch_budget_the_heap_grows_instead_of_stealing() {
+    /// (reserved before and after the last request, granules stolen since
+    /// the last growth after it)
+    fn run(budget: f64, cap: Option<u64>) -> (u64, u64, u64) {
+        let sim = Arc::new(
+            SimBackend::new(SimConfig {
+                devices: 1,
+                capacity_bytes: 64 * MIB,
+                granularity: 2 * MIB,
+                ..Default::default()
+            })
+            .unwrap(),
+        );
+        let mut heap = Heap::new(sim.clone(), 0, 256 * MIB, 0).unwrap();
+        heap.stitch_budget = budget;
+        let blocks: Vec<u64> = (0..4)
+            .map(|_| heap.alloc(4 * MIB, ALIGN, Some(0), false).unwrap().addr)
+            .collect();
+        heap.free(blocks[0], Tag::Clean).unwrap();
+        heap.free(blocks[2], Tag::Clean).unwrap();
+        assert_eq!(heap.reserved(), 16 * MIB);
+        // First stitch: nothing stolen yet, so even a budget steals.
+        let _e = heap.alloc(8 * MIB, ALIGN, Some(0), false).unwrap();
+        assert_eq!(heap.reserved(), 16 * MIB, "the 8 MiB request is stitched");
+        assert_eq!(heap.stolen_since_growth, 4);
+        heap.free(blocks[1], Tag::Clean).unwrap();
+        heap.free(blocks[3], Tag::Clean).unwrap();
+        if let Some(cap) = cap {
+            heap.limit.set(Some(cap));
+        }
+        let before = heap.reserved();
+        heap.alloc(8 * MIB, ALIGN, Some(0), false).unwrap();
+        heap.check().unwrap();
+        (before, heap.reserved(), heap.stolen_since_growth)
+    }
+    // No budget: the second request is stitched too.
+    let (before, after, stolen) = run(0.0, None);
+    assert_eq!(after, before, "stitched, no growth");
+    assert!(stolen > 4, "{stolen}");
+    // A large budget is not spent yet: the same.
+    assert_eq!(run(100.0, None), (before, after, stolen));
+    // Budget 0.25 of 8 granules = 2, and 4 were stolen: it grows by what
+    // it lacks instead, and the count starts again.
+    let (b, grown, s) = run(0.25, None);
+    assert_eq!(b, before);
+    assert_eq!(
+        grown - b,
+        (stolen - 4) * 2 * MIB,
+        "grew by the granules it would steal"
+    );
+    assert_eq!(s, 0);
+    // Due, but the limit leaves no room: it steals (stitching is what
+    // keeps the request from failing).
+    assert_eq!(run(0.25, Some(16 * MIB)), (before, after, stolen));
+}
