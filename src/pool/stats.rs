@@ -162,6 +162,14 @@ fn my_shard() -> (usize, bool) {
     }
 }
 
+/// The calling thread's counter shard: distinct among the first
+/// [`SHARDS`]` - 1` live threads, shared above (for sharding other
+/// per-thread state, `stream_large.rs`).
+#[inline]
+pub(crate) fn thread_index() -> usize {
+    my_shard().0
+}
+
 /// Adds to a counter: a plain load and store for a shard's only writer,
 /// `fetch_add` for a shared shard.
 #[inline]

@@ -1,13 +1,19 @@
 //! Each stream's large blocks: the ranges it parked for reuse (`exact.rs`)
-//! and the live large blocks it allocated, by address, under one lock per
-//! stream slot (one more part for streams without a slot).
+//! and the live large blocks it allocated, by address, in one part per
+//! stream slot (one more part for streams without a slot), each part split
+//! into [`SHARDS`] shards with a lock each, one per thread (by the
+//! thread's counter shard, `stats.rs`).
 //!
 //! A stream reuses the range it freed (the steady state of every training
-//! loop and server) by locking only its own part, once per allocation and
-//! once per free: no lock or written cache line is shared with another
-//! stream, and the device's heap lock is taken only to give parked ranges
-//! back (`drain_*`, with the part locks nested inside it: heap, then part,
-//! never the other way round).
+//! loop and server) by locking only its own part's shard of the calling
+//! thread, once per allocation and once per free: no lock or written cache
+//! line is shared with another stream, nor with another thread of the same
+//! stream (a server's threads on the default stream: with one lock per
+//! stream, two threads ran at a third of one thread's throughput). A
+//! thread that finds nothing in its shard looks in the stream's other
+//! shards before the heap. The device's heap lock is taken only to give
+//! parked ranges back (`drain_*`, with the shard locks nested inside it:
+//! heap, then shard, never the other way round).
 //!
 //! The live index holds the raw large blocks (the C ABI and PyTorch path
 //! keep only an address): what a raw free, `record_stream`, IPC export and
@@ -15,8 +21,9 @@
 //! A typed [`Block`](super::Block) carries all that itself, so typed blocks
 //! are not listed and their reuse touches no map at all. A lookup names
 //! the part to try first (the freeing stream's: in PyTorch a block is
-//! freed on the stream that allocated it); only a block freed on another
-//! stream, and a bad pointer, visit every part.
+//! freed on the stream that allocated it) and starts in the calling
+//! thread's shard; only a block freed on another stream, and a bad
+//! pointer, visit every part.
 //!
 //! Invariants:
 //! 1. An address is in the live index exactly while a raw large block
@@ -25,11 +32,15 @@
 //!    before the free that publishes the range again (to the parking
 //!    lists, the heap, an arena or a pending group).
 //! 2. A parked range is an allocated heap range listed by exactly one
-//!    part, the slot of the stream that freed it; that stream alone may
-//!    take it back without waiting (stream order covers its old uses).
-//! 3. A part's `count` and `bytes` are written only under its lock, after
-//!    each change, for readers that do not take it.
-//! 4. A raw block is listed by the part of the stream that allocated it.
+//!    shard of one part, the part of the slot of the stream that freed it;
+//!    that stream alone may take it back without waiting (stream order
+//!    covers its old uses), from any thread.
+//! 3. A shard's `count`, `bytes` and `live` are written only under its
+//!    lock, after each change, for readers that do not take it.
+//! 4. A raw block is listed by a shard of the part of the stream that
+//!    allocated it.
+//! 5. No thread holds two shard locks at once, except a drain, which
+//!    takes them in index order under the heap lock.
 
 use super::exact::ParkedLists;
 use super::LargeLive;
@@ -45,15 +56,19 @@ pub(crate) struct LiveEntry {
     pub live: LargeLive,
 }
 
-/// One stream slot's part.
+/// Shards per part: threads on one stream lock different shards as long
+/// as their counter shards differ modulo this.
+pub(crate) const SHARDS: usize = 4;
+
+/// One thread shard of a stream slot's part.
 #[derive(Debug, Default)]
-struct Part {
+struct Shard {
     state: Mutex<PartState>,
     /// Parked ranges and their bytes, as of the last change.
     count: AtomicUsize,
     bytes: AtomicU64,
     /// Live raw blocks listed, as of the last change: a lookup passes a
-    /// part with none without locking it.
+    /// shard with none without locking it.
     live: AtomicUsize,
 }
 
@@ -151,7 +166,7 @@ impl LiveIndex {
     }
 }
 
-impl Part {
+impl Shard {
     /// Publishes the parked counts after a change made under the lock.
     #[inline]
     fn publish(&self, st: &PartState) {
@@ -164,68 +179,103 @@ impl Part {
 /// Every stream slot's large blocks (see the file's comment).
 #[derive(Debug)]
 pub(crate) struct StreamLarge {
-    /// Part `s` for slot `s`; the last for streams without a slot.
-    parts: Box<[CachePadded<Part>]>,
-    /// One part's addresses while [`StreamLarge::drain_sorted`] hands them
+    /// Shard `t` of part `p` at `p * SHARDS + t`; part `s` for slot `s`,
+    /// the last for streams without a slot.
+    shards: Box<[CachePadded<Shard>]>,
+    /// One shard's addresses while [`StreamLarge::drain_sorted`] hands them
     /// over (kept for its capacity; drains run under the heap lock).
     scratch: Mutex<Vec<u64>>,
+}
+
+/// The calling thread's shard in every part.
+#[inline]
+fn my_shard() -> usize {
+    super::stats::thread_index() % SHARDS
 }
 
 impl StreamLarge {
     /// Parts for stream slots `0..slots`, and one for slotless streams.
     pub(crate) fn new(slots: usize) -> Self {
         StreamLarge {
-            parts: (0..=slots).map(|_| CachePadded::default()).collect(),
+            shards: (0..(slots + 1) * SHARDS)
+                .map(|_| CachePadded::default())
+                .collect(),
             scratch: Mutex::default(),
         }
+    }
+
+    fn parts(&self) -> usize {
+        self.shards.len() / SHARDS
     }
 
     /// The part of stream slot `slot`.
     #[inline]
     fn part(&self, slot: Option<u16>) -> usize {
-        let last = self.parts.len() - 1;
+        let last = self.parts() - 1;
         slot.map_or(last, |s| (s as usize).min(last))
+    }
+
+    /// The shards of part `p`, the calling thread's first.
+    #[inline]
+    fn shards_of(&self, p: usize) -> impl Iterator<Item = &Shard> {
+        let me = my_shard();
+        (0..SHARDS).map(move |k| &*self.shards[p * SHARDS + (me + k) % SHARDS])
+    }
+
+    /// The calling thread's shard of part `p`.
+    #[inline]
+    fn mine(&self, p: usize) -> &Shard {
+        &self.shards[p * SHARDS + my_shard()]
     }
 
     // ---- the fast paths: one lock of the stream's own part ---------------------------
 
     /// A range parked by `slot` of `len` bytes or a little more, handed
     /// out at once as a live block `live` (listed if raw): `(addr, its
-    /// length)`.
+    /// length)`. The calling thread's shard first, then the stream's
+    /// others.
     #[inline]
     pub(crate) fn take_parked(&self, slot: u16, len: u64, live: LargeLive) -> Option<(u64, u64)> {
-        let p = self.parts.get(slot as usize)?;
-        if p.count.load(Relaxed) == 0 {
+        if slot as usize >= self.parts() {
             return None;
         }
-        let mut st = p.state.lock();
-        let (addr, got) = st.parked.take(len)?;
-        if live.raw {
-            st.live.insert(addr, LiveEntry { len: got, live });
-        }
-        p.publish(&st);
-        Some((addr, got))
+        self.shards_of(slot as usize).find_map(|sh| {
+            if sh.count.load(Relaxed) == 0 {
+                return None;
+            }
+            let mut st = sh.state.lock();
+            let (addr, got) = st.parked.take(len)?;
+            if live.raw {
+                st.live.insert(addr, LiveEntry { len: got, live });
+            }
+            sh.publish(&st);
+            Some((addr, got))
+        })
     }
 
     /// The raw free of the block at `addr` on `slot`, into `slot`'s
-    /// parking lists, if `slot`'s part holds it as a raw block: what it
-    /// was. `None` changes nothing.
+    /// parking lists (the shard that listed it), if `slot`'s part holds
+    /// it as a raw block: what it was. `None` changes nothing.
     #[inline]
     pub(crate) fn park_live_raw(&self, slot: u16, addr: u64) -> Option<LiveEntry> {
-        let p = &self.parts[self.part(Some(slot))];
-        let mut st = p.state.lock();
-        let e = st.live.take_if(addr, |e| e.live.raw).ok()?;
-        st.parked.put(e.len, addr);
-        p.publish(&st);
-        Some(e)
+        self.shards_of(self.part(Some(slot))).find_map(|sh| {
+            if sh.live.load(Relaxed) == 0 {
+                return None;
+            }
+            let mut st = sh.state.lock();
+            let e = st.live.take_if(addr, |e| e.live.raw).ok()?;
+            st.parked.put(e.len, addr);
+            sh.publish(&st);
+            Some(e)
+        })
     }
 
     /// Parks a range of `len` bytes freed on `slot` (no longer live).
     pub(crate) fn park(&self, slot: u16, len: u64, addr: u64) {
-        let p = &self.parts[self.part(Some(slot))];
-        let mut st = p.state.lock();
+        let sh = self.mine(self.part(Some(slot)));
+        let mut st = sh.state.lock();
         st.parked.put(len, addr);
-        p.publish(&st);
+        sh.publish(&st);
     }
 
     // ---- the live index ---------------------------------------------------------------
@@ -233,10 +283,10 @@ impl StreamLarge {
     /// Records the block just handed out at `addr` by a stream of `slot`.
     #[inline]
     pub(crate) fn insert(&self, slot: Option<u16>, addr: u64, len: u64, live: LargeLive) {
-        let p = &self.parts[self.part(slot)];
-        let mut st = p.state.lock();
+        let sh = self.mine(self.part(slot));
+        let mut st = sh.state.lock();
         st.live.insert(addr, LiveEntry { len, live });
-        p.publish(&st);
+        sh.publish(&st);
     }
 
     /// Runs `f` on the live map holding `addr`, looking first in `hint`'s
@@ -249,24 +299,25 @@ impl StreamLarge {
         mut f: impl FnMut(&mut FxHashMap<u64, LiveEntry>) -> R,
     ) -> Option<R> {
         let first = self.part(hint);
-        let last = self.parts.len() - 1;
+        let last = self.parts() - 1;
         let order = std::iter::once(first)
             .chain((first != last).then_some(last))
             .chain((0..last).filter(move |&p| p != first));
         for p in order {
-            // A block the caller may look up was listed before the call
-            // (its allocation happened before), so a part that published
-            // none holds none of those.
-            let part = &self.parts[p];
-            if part.live.load(Relaxed) == 0 {
-                continue;
-            }
-            let mut st = part.state.lock();
-            let m = st.live.map();
-            if m.contains_key(&addr) {
-                let r = f(m);
-                part.publish(&st);
-                return Some(r);
+            for sh in self.shards_of(p) {
+                // A block the caller may look up was listed before the
+                // call (its allocation happened before), so a shard that
+                // published none holds none of those.
+                if sh.live.load(Relaxed) == 0 {
+                    continue;
+                }
+                let mut st = sh.state.lock();
+                let m = st.live.map();
+                if m.contains_key(&addr) {
+                    let r = f(m);
+                    sh.publish(&st);
+                    return Some(r);
+                }
             }
         }
         None
@@ -302,10 +353,10 @@ impl StreamLarge {
     /// Bytes of the ranges of every live block (exact while no thread
     /// allocates or frees meanwhile).
     pub(crate) fn live_bytes(&self) -> u64 {
-        self.parts
+        self.shards
             .iter()
-            .map(|p| {
-                p.state
+            .map(|sh| {
+                sh.state
                     .lock()
                     .live
                     .map()
@@ -318,67 +369,69 @@ impl StreamLarge {
 
     // ---- giving parked ranges back ----------------------------------------------------
 
-    /// Removes every parked range, passing each part's addresses to `f` at
-    /// once, ascending: freed in that order, ranges that sit side by side
-    /// (often parked neighbours) merge while their index entries are still
-    /// cached, and the granules' records are read in order, where class
-    /// order visited them at random (the lengths are the heap's to give:
-    /// bare addresses sort in half the instructions of `(addr, len)` pairs).
-    /// Each part's lock is held while `f` runs, so no range is ever out of
-    /// both the lists and the heap while its stream could look for it.
+    /// Removes every parked range, passing each shard's addresses to `f`
+    /// at once with the slot of its part, ascending: freed in that order,
+    /// ranges that sit side by side (often parked neighbours) merge while
+    /// their index entries are still cached, and the granules' records are
+    /// read in order, where class order visited them at random (the
+    /// lengths are the heap's to give: bare addresses sort in half the
+    /// instructions of `(addr, len)` pairs). Each shard's lock is held
+    /// while `f` runs, so no range is ever out of both the lists and the
+    /// heap while its stream could look for it.
     pub(crate) fn drain_sorted(&self, mut f: impl FnMut(u16, &[u64])) {
         let mut scratch = self.scratch.lock();
-        for (slot, p) in self.parts.iter().enumerate() {
-            if p.count.load(Relaxed) == 0 {
+        for (i, sh) in self.shards.iter().enumerate() {
+            if sh.count.load(Relaxed) == 0 {
                 continue;
             }
-            let mut st = p.state.lock();
+            let mut st = sh.state.lock();
             scratch.clear();
             st.parked.drain_each(|_, a| scratch.push(a));
-            p.publish(&st);
+            sh.publish(&st);
             if scratch.is_empty() {
                 continue;
             }
             scratch.sort_unstable();
-            f(slot as u16, &scratch);
+            f((i / SHARDS) as u16, &scratch);
         }
     }
 
     /// Removes and returns the ranges parked by `slot` as `(len, addr)`.
     pub(crate) fn drain_slot(&self, slot: u16) -> Vec<(u64, u64)> {
-        let p = &self.parts[self.part(Some(slot))];
-        let mut st = p.state.lock();
         let mut out = Vec::new();
-        st.parked.drain_each(|l, a| out.push((l, a)));
-        p.publish(&st);
+        for sh in self.shards_of(self.part(Some(slot))) {
+            let mut st = sh.state.lock();
+            st.parked.drain_each(|l, a| out.push((l, a)));
+            sh.publish(&st);
+        }
         out
     }
 
     /// Every parked address (exact while no stream parks or takes).
     pub(crate) fn parked_addrs(&self) -> Vec<u64> {
         let mut out = Vec::new();
-        for p in self.parts.iter() {
-            out.extend(p.state.lock().parked.addrs());
+        for sh in self.shards.iter() {
+            out.extend(sh.state.lock().parked.addrs());
         }
         out
     }
 
-    /// Bytes parked (as last published by each part).
+    /// Bytes parked (as last published by each shard).
     pub(crate) fn parked_bytes(&self) -> u64 {
-        self.parts.iter().map(|p| p.bytes.load(Relaxed)).sum()
+        self.shards.iter().map(|sh| sh.bytes.load(Relaxed)).sum()
     }
 
-    /// Whether nothing is parked (as last published by each part).
+    /// Whether nothing is parked (as last published by each shard).
     pub(crate) fn nothing_parked(&self) -> bool {
-        self.parts.iter().all(|p| p.count.load(Relaxed) == 0)
+        self.shards.iter().all(|sh| sh.count.load(Relaxed) == 0)
     }
 
     /// Forgets every parked range and live block (teardown).
     pub(crate) fn clear(&self) {
-        for p in self.parts.iter() {
-            let mut st = p.state.lock();
+        for sh in self.shards.iter() {
+            let mut st = sh.state.lock();
             *st = PartState::default();
-            p.publish(&st);
+            sh.publish(&st);
         }
     }
 }
@@ -443,6 +496,60 @@ mod tests {
         l.park(1, 2 * mib, 0x300_0000);
         assert_eq!(l.drain_slot(1), vec![(2 * mib, 0x300_0000)]);
         assert_eq!(l.parked_addrs(), Vec::<u64>::new());
+    }
+
+    /// Threads of one stream park in their own shards, and each finds
+    /// the others' ranges (a range parked on a stream is that stream's,
+    /// whichever thread freed it); drains and counts see every shard.
+    #[test]
+    fn threads_of_one_stream_share_what_it_parked() {
+        let l = StreamLarge::new(2);
+        let mib = 1u64 << 20;
+        let addrs: Vec<u64> = (0..6u64).map(|i| (i + 1) << 26).collect();
+        // Six threads (so at least two shards) each park one range on
+        // slot 1, the first three also a raw live block.
+        std::thread::scope(|s| {
+            for (i, &a) in addrs.iter().enumerate() {
+                let l = &l;
+                s.spawn(move || {
+                    l.park(1, 4 * mib, a);
+                    if i < 3 {
+                        l.insert(Some(1), a + (8 << 20), 2 * mib, live(2 * mib, true));
+                    }
+                });
+            }
+        });
+        assert_eq!(l.parked_bytes(), 24 * mib);
+        assert_eq!(l.live_bytes(), 6 * mib);
+        let mut got: Vec<u64> = (0..6)
+            .map(|_| l.take_parked(1, 4 * mib, live(1, false)).expect("parked").0)
+            .collect();
+        got.sort_unstable();
+        assert_eq!(got, addrs);
+        assert!(l.nothing_parked() && l.take_parked(1, 4 * mib, live(1, false)).is_none());
+        // Raw frees from this thread find blocks other threads listed,
+        // and park them on the stream.
+        for &a in &addrs[..3] {
+            assert_eq!(
+                l.park_live_raw(1, a + (8 << 20)).map(|e| e.len),
+                Some(2 * mib)
+            );
+        }
+        assert_eq!(l.live_bytes(), 0);
+        let mut drained: Vec<u64> = l.drain_slot(1).into_iter().map(|(_, a)| a).collect();
+        drained.sort_unstable();
+        assert_eq!(
+            drained,
+            addrs[..3].iter().map(|a| a + (8 << 20)).collect::<Vec<_>>()
+        );
+        // Another stream finds none of them.
+        std::thread::scope(|s| {
+            s.spawn(|| l.park(1, 4 * mib, addrs[0]));
+        });
+        assert!(l.take_parked(0, 4 * mib, live(1, false)).is_none());
+        let mut sorted = Vec::new();
+        l.drain_sorted(|slot, a| sorted.push((slot, a.to_vec())));
+        assert_eq!(sorted, vec![(1, vec![addrs[0]])]);
     }
 
     #[test]

@@ -162,6 +162,24 @@ impl fmt::Display for BenchReport {
                 r.gpupool_large_vs_torch
             )?;
         }
+        writeln!(f, "  same, every thread on one stream")?;
+        writeln!(
+            f,
+            "  {:>7}  {:>10} {:>8} {:>4}  {:>10} {:>13}",
+            "threads", "gpupool", "vs 1 thr", "cpu", "torch", "gpupool/torch"
+        )?;
+        for r in &self.threads {
+            writeln!(
+                f,
+                "  {:>7}  {:>10} {:>7.2}x {:>3.0}%  {:>10} {:>12.1}x",
+                r.threads,
+                fmt_rate(r.gpupool_large_shared_ops_per_sec),
+                r.gpupool_large_shared_vs_1_thread,
+                r.gpupool_large_shared_cpu_share * 100.0,
+                fmt_rate(r.torch_large_shared_ops_per_sec),
+                r.gpupool_large_shared_ops_per_sec / r.torch_large_shared_ops_per_sec
+            )?;
+        }
         writeln!(f)?;
         let max = self
             .random_allocations

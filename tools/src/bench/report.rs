@@ -134,6 +134,16 @@ pub struct ThreadsRow {
     pub torch_large_ops_per_sec: f64,
     /// gpupool large-pair throughput over the PyTorch port's.
     pub gpupool_large_vs_torch: f64,
+    /// gpupool operations per second of the same large pairs with every
+    /// thread on one shared stream.
+    pub gpupool_large_shared_ops_per_sec: f64,
+    /// That over its 1-thread throughput.
+    pub gpupool_large_shared_vs_1_thread: f64,
+    /// Share of the wall time those threads were on a CPU.
+    pub gpupool_large_shared_cpu_share: f64,
+    /// The PyTorch port's operations per second with every thread on one
+    /// stream.
+    pub torch_large_shared_ops_per_sec: f64,
 }
 
 /// One row of RMM's random_allocations benchmark.

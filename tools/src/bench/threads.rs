@@ -5,7 +5,9 @@
 //! are 4 KiB. Large pairs come as steps, as in a training loop: each call
 //! allocates one block of every size of [`LARGE_PAIR_BYTES`] (3–24 MiB),
 //! then frees them all, so every later step reuses the ranges its
-//! thread's stream freed; the PyTorch port does the same.
+//! thread's stream freed; the PyTorch port does the same. The large pairs
+//! run twice: each thread on its own stream, and every thread on one
+//! stream (a server's threads on the default stream).
 
 use super::baselines::MutexBestFit;
 use super::harness::{baseline_oom, sim_runtime, torch_peer_pool, Plan};
@@ -100,15 +102,31 @@ fn large_steps(plan: &Plan) -> u64 {
     plan.gpupool_thread_pairs / STEP / 2
 }
 
-fn gpupool_large_threads(dev: &DevicePool, plan: &Plan, threads: usize) -> Result<Throughput> {
-    let streams = (0..threads)
+/// Which streams the threads of a large-pair run use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Streams {
+    /// Each thread its own stream (a stream per worker or per request).
+    Own,
+    /// All threads one stream (threads of a server on the default stream).
+    Shared,
+}
+
+fn gpupool_large_threads(
+    dev: &DevicePool,
+    plan: &Plan,
+    threads: usize,
+    mode: Streams,
+) -> Result<Throughput> {
+    let n = if mode == Streams::Own { threads } else { 1 };
+    let streams = (0..n)
         .map(|_| dev.new_stream())
         .collect::<Result<Vec<_>>>()?;
     median_of(plan.thread_reps, || {
         timed_threads(threads, 1, (large_steps(plan), STEP), |i| {
+            let s = &streams[i % n];
             let mut held = [const { None }; LARGE_PAIR_BYTES.len()];
             for (h, &n) in held.iter_mut().zip(&LARGE_PAIR_BYTES) {
-                *h = Some(black_box(dev.alloc(n as usize, &streams[i])?));
+                *h = Some(black_box(dev.alloc(n as usize, s)?));
             }
             drop(held);
             Ok(())
@@ -116,13 +134,18 @@ fn gpupool_large_threads(dev: &DevicePool, plan: &Plan, threads: usize) -> Resul
     })
 }
 
-fn torch_large_threads(plan: &Plan, threads: usize) -> Result<Throughput> {
+fn torch_large_threads(plan: &Plan, threads: usize, mode: Streams) -> Result<Throughput> {
     let torch = torch_peer_pool();
     median_of(plan.thread_reps, || {
         timed_threads(threads, 1, (large_steps(plan), STEP), |t| {
+            let stream = if mode == Streams::Own {
+                t as u64 + 1
+            } else {
+                1
+            };
             let mut held = [0u64; LARGE_PAIR_BYTES.len()];
             for (h, &n) in held.iter_mut().zip(&LARGE_PAIR_BYTES) {
-                *h = black_box(torch.alloc(0, n, t as u64 + 1)?);
+                *h = black_box(torch.alloc(0, n, stream)?);
             }
             held.into_iter().try_for_each(|a| torch.free(a))
         })
@@ -167,22 +190,26 @@ pub(super) fn threads_table(plan: &Plan, max_threads: usize) -> Result<Vec<Threa
             * (plan.warmup as u64 + plan.gpupool_thread_pairs);
         let locks = dev.stats().heap_lock_acquisitions - locks0;
         let locks0 = dev.stats().heap_lock_acquisitions;
-        let gl = gpupool_large_threads(dev, plan, t)?;
+        let gl = gpupool_large_threads(dev, plan, t, Streams::Own)?;
         let large_ops =
             2 * t as u64 * plan.thread_reps.max(1) as u64 * (1 + large_steps(plan)) * STEP;
         let large_locks = dev.stats().heap_lock_acquisitions - locks0;
         let m = mutex_threads(plan, t)?;
         let tp = torch_threads(plan, t)?;
-        let tl = torch_large_threads(plan, t)?;
-        let (g1, m1, gl1) =
-            rows.first()
-                .map_or((g.ops_per_sec, m.ops_per_sec, gl.ops_per_sec), |r| {
-                    (
-                        r.gpupool_ops_per_sec,
-                        r.mutex_best_fit_ops_per_sec,
-                        r.gpupool_large_ops_per_sec,
-                    )
-                });
+        let tl = torch_large_threads(plan, t, Streams::Own)?;
+        let gs = gpupool_large_threads(dev, plan, t, Streams::Shared)?;
+        let ts = torch_large_threads(plan, t, Streams::Shared)?;
+        let (g1, m1, gl1, gs1) = rows.first().map_or(
+            (g.ops_per_sec, m.ops_per_sec, gl.ops_per_sec, gs.ops_per_sec),
+            |r| {
+                (
+                    r.gpupool_ops_per_sec,
+                    r.mutex_best_fit_ops_per_sec,
+                    r.gpupool_large_ops_per_sec,
+                    r.gpupool_large_shared_ops_per_sec,
+                )
+            },
+        );
         rows.push(ThreadsRow {
             threads: t,
             gpupool_ops_per_sec: g.ops_per_sec,
@@ -201,6 +228,10 @@ pub(super) fn threads_table(plan: &Plan, max_threads: usize) -> Result<Vec<Threa
             gpupool_large_cpu_share: gl.cpu_share,
             torch_large_ops_per_sec: tl.ops_per_sec,
             gpupool_large_vs_torch: gl.ops_per_sec / tl.ops_per_sec,
+            gpupool_large_shared_ops_per_sec: gs.ops_per_sec,
+            gpupool_large_shared_vs_1_thread: gs.ops_per_sec / gs1,
+            gpupool_large_shared_cpu_share: gs.cpu_share,
+            torch_large_shared_ops_per_sec: ts.ops_per_sec,
         });
     }
     Ok(rows)
