@@ -58,7 +58,7 @@ pub(crate) struct LiveEntry {
 
 /// Shards per part: threads on one stream lock different shards as long
 /// as their counter shards differ modulo this.
-pub(crate) const SHARDS: usize = 4;
+pub(crate) const SHARDS: usize = 8;
 
 /// One thread shard of a stream slot's part.
 #[derive(Debug, Default)]
