@@ -3,13 +3,9 @@ use crate::backend::sim::{SimBackend, SimConfig};
 
 const MIB: u64 = 1 << 20;
 
-/// A stitch whose unbacked granules form two runs, with the second
-/// run's map failing: the first run, already mapped with chunks stolen
-/// by aliasing from another stream's dirty memory, must be unmapped
-/// again and every chunk put back, so that no other stream can take an
-/// aliased chunk under a clean address while its old uses run.
-#[test]
-fn a_failed_second_run_unmaps_the_first_and_puts_every_chunk_back() {
+/// A 64 MiB simulated device of 2 MiB granules and a heap over 256 MiB
+/// of address space on it.
+fn sim_and_heap() -> (Arc<SimBackend>, Heap) {
     let sim = Arc::new(
         SimBackend::new(SimConfig {
             devices: 1,
@@ -19,7 +15,18 @@ fn a_failed_second_run_unmaps_the_first_and_puts_every_chunk_back() {
         })
         .unwrap(),
     );
-    let mut heap = Heap::new(sim.clone(), 0, 256 * MIB, 0).unwrap();
+    let heap = Heap::new(sim.clone(), 0, 256 * MIB, 0).unwrap();
+    (sim, heap)
+}
+
+/// A stitch whose unbacked granules form two runs, with the second
+/// run's map failing: the first run, already mapped with chunks stolen
+/// by aliasing from another stream's dirty memory, must be unmapped
+/// again and every chunk put back, so that no other stream can take an
+/// aliased chunk under a clean address while its old uses run.
+#[test]
+fn a_failed_second_run_unmaps_the_first_and_puts_every_chunk_back() {
+    let (sim, mut heap) = sim_and_heap();
     let (base, _) = heap.reservation().unwrap();
     // Granules 0..6 backed and freed clean; 6..10 dirty on slot 0.
     let x = heap.alloc(12 * MIB, ALIGN, Some(0), false).unwrap();
@@ -70,16 +77,7 @@ fn past_its_stitch_budget_the_heap_grows_instead_of_stealing() {
     /// (reserved before and after the last request, granules stolen since
     /// the last growth after it)
     fn run(budget: f64, cap: Option<u64>) -> (u64, u64, u64) {
-        let sim = Arc::new(
-            SimBackend::new(SimConfig {
-                devices: 1,
-                capacity_bytes: 64 * MIB,
-                granularity: 2 * MIB,
-                ..Default::default()
-            })
-            .unwrap(),
-        );
-        let mut heap = Heap::new(sim.clone(), 0, 256 * MIB, 0).unwrap();
+        let (_sim, mut heap) = sim_and_heap();
         heap.stitch_budget = budget;
         let blocks: Vec<u64> = (0..4)
             .map(|_| heap.alloc(4 * MIB, ALIGN, Some(0), false).unwrap().addr)
