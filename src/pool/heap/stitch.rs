@@ -97,29 +97,31 @@ impl Heap {
         // Grow in place of this steal once stitching has remapped its
         // budget (see `stitch_budget`); a growth the limit or the device
         // refuses steals after all (stitching is what averts the OOM).
-        let grow = self.growth_due(want);
-        let (mut victims, created) =
-            match grow.then(|| self.create_chunks(want)).and_then(|r| r.ok()) {
-                Some(created) => {
-                    self.stolen_since_growth = 0;
-                    (Vec::new(), created)
-                }
-                None => {
-                    let victims = self.stealable(ctx, want);
-                    let reusable =
-                        self.spare_len() + victims.iter().map(|v| v.1 as usize).sum::<usize>();
-                    match self.create_chunks(need_len.saturating_sub(reusable)) {
-                        Ok(created) => (victims, created),
-                        Err(e) => {
-                            self.drop_users(start, len);
-                            return Err(e);
-                        }
+        let grown = self
+            .growth_due(want)
+            .then(|| self.create_chunks(want).ok())
+            .flatten();
+        let (mut victims, created) = match grown {
+            Some(created) => {
+                self.stolen_since_growth = 0;
+                (Vec::new(), created)
+            }
+            None => {
+                let victims = self.stealable(ctx, want);
+                let reusable =
+                    self.spare_len() + victims.iter().map(|v| v.1 as usize).sum::<usize>();
+                match self.create_chunks(need_len.saturating_sub(reusable)) {
+                    Ok(created) => (victims, created),
+                    Err(e) => {
+                        self.drop_users(start, len);
+                        return Err(e);
                     }
                 }
-            };
+            }
+        };
         let shortfall = created.len();
-        self.device_allocs += created.len() as u64;
-        self.reserved += created.len() as u64 * self.gran;
+        self.device_allocs += shortfall as u64;
+        self.reserved += shortfall as u64 * self.gran;
         if !created.is_empty() {
             tracing::debug!(
                 device = self.dev,
@@ -234,14 +236,10 @@ impl Heap {
             && self.stitch_budget > 0.0
             && self.stolen_since_growth as f64
                 >= self.stitch_budget * (self.reserved / self.gran) as f64
-            && self
-                .limit
-                .admit(self.dev, self.reserved, want as u64 * self.gran)
-                .is_ok()
     }
 
-    /// Creates `n` chunks (all or none), counted as reserved, onto the
-    /// spare list's side: returned for the caller to push.
+    /// Creates `n` chunks from the device, all or none, within the limit;
+    /// the caller counts them as reserved.
     fn create_chunks(&mut self, n: usize) -> Result<Vec<ChunkHandle>> {
         self.limit
             .admit(self.dev, self.reserved, n as u64 * self.gran)?;
