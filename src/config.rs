@@ -277,15 +277,7 @@ impl PoolConfig {
                     }
                 }
                 "handover" => c.handover = parse_bool(value).map_err(bad)?,
-                "stitch_budget" => {
-                    let v: f64 = value
-                        .parse()
-                        .map_err(|_| bad(format!("{value}: expected a number")))?;
-                    if !(v.is_finite() && v >= 0.0) {
-                        return Err(bad(format!("{value}: expected a finite number >= 0")));
-                    }
-                    c.stitch_budget = v;
-                }
+                "stitch_budget" => c.stitch_budget = parse_non_negative(value).map_err(bad)?,
                 "thread_cache" => c.thread_cache = parse_bool(value).map_err(bad)?,
                 "idle_ms" => {
                     let ms = parse_u64(value).map_err(bad)?;
@@ -307,13 +299,7 @@ impl PoolConfig {
                     c.idle_release = (ms > 0).then(|| Duration::from_millis(ms));
                 }
                 "release_fraction" => {
-                    let f: f64 = value
-                        .parse()
-                        .map_err(|_| bad(format!("{value:?} is not a number")))?;
-                    if !(f.is_finite() && f >= 0.0) {
-                        return Err(bad(format!("{value}: a finite number >= 0")));
-                    }
-                    c.release_fraction = f;
+                    c.release_fraction = parse_non_negative(value).map_err(bad)?
                 }
                 "max_bytes" => {
                     let b = parse_size(value).map_err(bad)?;
@@ -439,6 +425,16 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
         return Err(format!("{s:?} is not a whole number of bytes"));
     }
     Ok(bytes as u64)
+}
+
+/// A finite number `>= 0`.
+fn parse_non_negative(s: &str) -> std::result::Result<f64, String> {
+    let f: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if f.is_finite() && f >= 0.0 {
+        Ok(f)
+    } else {
+        Err(format!("{s}: a finite number >= 0"))
+    }
 }
 
 fn parse_bool(s: &str) -> std::result::Result<bool, String> {
