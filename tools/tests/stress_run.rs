@@ -263,3 +263,43 @@ fn cli_fragment_report_has_the_contract_keys_and_meets_the_target() {
     assert!(ratio("before") > 1.5, "the workload fragments: {j}");
     assert!(ratio("after") <= 1.10, "compaction gives memory back: {j}");
 }
+
+/// `--peers`: the same traffic runs through both modes of the PyTorch port
+/// after the pool's run, and the report sets them side by side with what
+/// each measured (the port takes its device mutex once per operation; the
+/// pool's own driver time excludes the harness's ordering events).
+#[test]
+fn peers_run_the_same_traffic_through_the_pytorch_port() {
+    let mut o = opts(Workload::Serving, 1, 4, 2);
+    o.duration = Duration::from_millis(600);
+    o.peers = true;
+    let r = run(&o, |_| {}).unwrap();
+    assert!(r.passed(), "{r}");
+    let names: Vec<&str> = r.peers.iter().map(|p| p.name).collect();
+    assert_eq!(names, ["torch", "torch_expandable"]);
+    for p in &r.peers {
+        assert!(p.ops >= 200, "{p:?}");
+        assert!(p.seconds >= 0.5, "{p:?}");
+        assert!(
+            p.peak_live_bytes > 0 && p.peak_live_bytes <= p.peak_reserved_bytes,
+            "{p:?}"
+        );
+        assert!(p.peak_reserved_bytes <= o.capacity_bytes, "{p:?}");
+        assert_eq!(p.device_locks_per_op, 1.0, "{p:?}");
+        assert!(p.p50_ns > 0 && p.p50_ns <= p.p99_ns && p.p99_ns <= p.p999_ns);
+        assert!(p.driver_ms > 0.0 && !p.driver_calls.is_empty(), "{p:?}");
+    }
+    // Only the expandable mode maps pages.
+    assert!(!r.peers[0].driver_calls.contains_key("cuMemMap"));
+    assert!(r.peers[1].driver_calls.contains_key("cuMemMap"));
+    let ordered = (r.cross_stream_uses + r.cross_stream_frees) as f64;
+    assert!(r.harness_driver_ms > 0.0 && r.harness_driver_ms < r.driver_ms);
+    // One event record and one stream wait per ordered use, at the table's
+    // 1 µs each.
+    assert!((r.harness_driver_ms - ordered * 2e-3).abs() < 1e-6 * ordered.max(1.0));
+    let text = r.to_string();
+    assert!(
+        text.contains("torch_expandable") && text.contains("same traffic"),
+        "{text}"
+    );
+}

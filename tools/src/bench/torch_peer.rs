@@ -15,6 +15,7 @@
 //! from the end of its `alloc` to the start of its `free`; each device's
 //! port is only touched under its mutex.
 
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
 use rustc_hash::FxHashMap;
@@ -31,6 +32,8 @@ const SHARDS: usize = 67;
 pub struct TorchPeer {
     devices: Vec<Mutex<TorchAllocator>>,
     shards: Vec<Mutex<FxHashMap<u64, usize>>>,
+    /// Acquisitions of the device mutexes by `alloc` and `free`.
+    device_locks: AtomicU64,
 }
 
 /// PyTorch's `twang_mix64`, which picks a pointer's shard.
@@ -62,6 +65,7 @@ impl TorchPeer {
             shards: (0..SHARDS)
                 .map(|_| Mutex::new(FxHashMap::default()))
                 .collect(),
+            device_locks: AtomicU64::new(0),
         }
     }
 
@@ -74,6 +78,7 @@ impl TorchPeer {
 
     /// `malloc` of `size` bytes on `stream` of `device`.
     pub fn alloc(&self, device: usize, size: u64, stream: u64) -> Result<u64> {
+        self.device_locks.fetch_add(1, Relaxed);
         let addr = self
             .device(device)?
             .lock()
@@ -96,10 +101,34 @@ impl TorchPeer {
                 ptr: addr,
                 device: 0,
             })?;
+        self.device_locks.fetch_add(1, Relaxed);
         self.device(device)?
             .lock()
             .map_err(|_| poisoned())?
             .free(addr)
+    }
+
+    /// Device-mutex acquisitions by `alloc` and `free` so far.
+    pub fn device_locks(&self) -> u64 {
+        self.device_locks.load(Relaxed)
+    }
+
+    /// Most bytes `device` held at once.
+    pub fn peak_reserved_bytes(&self, device: usize) -> Result<u64> {
+        Ok(self
+            .device(device)?
+            .lock()
+            .map_err(|_| poisoned())?
+            .peak_reserved_bytes())
+    }
+
+    /// Bytes covered by the driver calls of `device` so far, by kind.
+    pub fn driver_bytes(&self, device: usize) -> Result<DriverCalls> {
+        Ok(self
+            .device(device)?
+            .lock()
+            .map_err(|_| poisoned())?
+            .driver_bytes())
     }
 
     /// Reserved bytes of `device`.

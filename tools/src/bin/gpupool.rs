@@ -558,6 +558,11 @@ struct StressArgs {
     /// Print JSON instead of text (hides the progress bar).
     #[arg(long)]
     json: bool,
+    /// Then run the same traffic through the PyTorch port (default and
+    /// expandable_segments), each for --duration, and report them side by
+    /// side (addresses simulated: no --verify there).
+    #[arg(long)]
+    peers: bool,
     /// Instead: fragment one simulated device with movable blocks (random
     /// sizes, a random half freed), then compact it under concurrent load,
     /// and report reserved/live before and after (the device has
@@ -665,6 +670,7 @@ fn stress(a: &StressArgs) -> Result<()> {
         seed: a.seed,
         capacity_bytes,
         config,
+        peers: a.peers,
         ..Default::default()
     };
     let bar = if a.json || !std::io::stderr().is_terminal() {

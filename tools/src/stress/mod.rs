@@ -31,9 +31,11 @@ mod training;
 mod worker;
 pub mod workload;
 
-pub use report::{DeviceStress, MemorySample, StressReport};
+pub use report::{DeviceStress, MemorySample, PeerStress, StressReport};
 pub use workload::Workload;
 
+use crate::bench::torch_peer::TorchPeer;
+use crate::trace::peers::{DriverCalls, TorchConfig};
 use gpupool::backend::sim::SimBackend;
 use gpupool::backend::Backend;
 use gpupool::config::{BackendKind, PoolConfig, SimConfig};
@@ -75,6 +77,10 @@ pub struct StressOptions {
     pub cross_free_percent: u64,
     /// Pool configuration (`GPUPOOL_CONF`); its backend is ignored.
     pub config: PoolConfig,
+    /// Then run the same traffic through the PyTorch port, in its default
+    /// and its `expandable_segments` mode, each for `duration`
+    /// ([`PeerStress`]).
+    pub peers: bool,
     /// Negative control for tests: cross-stream frees skip the event that
     /// orders them after the block's own stream (API misuse), so the
     /// verification must report corrupted bytes.
@@ -98,6 +104,7 @@ impl Default for StressOptions {
             cross_percent: 30,
             cross_free_percent: 30,
             config: PoolConfig::default(),
+            peers: false,
             misuse_unordered_frees: false,
         }
     }
@@ -192,7 +199,7 @@ pub fn run(opts: &StressOptions, mut progress: impl FnMut(&Progress)) -> Result<
                 let (all, shared, stop) = (&streams[d][..], &shared[d], &stop);
                 let id = (d * opts.threads + t) as u64;
                 row.push(sc.spawn(move || {
-                    let r = thread_main(opts, dev, sim, all, t, id, shared, stop);
+                    let r = thread_main(opts, dev, sim, all, t, id, shared, stop, None);
                     if r.is_err() {
                         stop.store(true, Relaxed);
                     }
@@ -234,6 +241,17 @@ pub fn run(opts: &StressOptions, mut progress: impl FnMut(&Progress)) -> Result<
         }
         sim.sync_stream(d, dev.default_stream().handle())?;
     }
+    let mut peers = Vec::new();
+    if opts.peers {
+        for (name, expandable_segments) in [("torch", false), ("torch_expandable", true)] {
+            let cfg = TorchConfig {
+                expandable_segments,
+                capacity_bytes: opts.capacity_bytes,
+                ..TorchConfig::default()
+            };
+            peers.push(run_peer(opts, &rt, sim, &streams, name, cfg)?);
+        }
+    }
     drop(streams);
     let counts = Counts {
         false_ooms: shared.iter().map(|s| s.false_ooms.load(Relaxed)).collect(),
@@ -241,7 +259,87 @@ pub fn run(opts: &StressOptions, mut progress: impl FnMut(&Progress)) -> Result<
         syncs_after: &syncs_after,
         seconds,
     };
-    build_report(&rt, sim, opts, totals, counts, series)
+    let mut r = build_report(&rt, sim, opts, totals, counts, series)?;
+    r.peers = peers;
+    Ok(r)
+}
+
+/// The same traffic through the PyTorch port `cfg` (see [`PeerStress`]),
+/// on the streams of the pool run (the harness's own events go there).
+fn run_peer(
+    opts: &StressOptions,
+    rt: &Runtime,
+    sim: &SimBackend,
+    streams: &[Vec<Stream>],
+    name: &'static str,
+    cfg: TorchConfig,
+) -> Result<PeerStress> {
+    let peer = TorchPeer::new(opts.devices, cfg);
+    let shared: Vec<DeviceShared> = (0..opts.devices).map(|_| DeviceShared::default()).collect();
+    let stop = AtomicBool::new(false);
+    let start = Instant::now();
+    let per_thread: Vec<Result<ThreadTotals>> = std::thread::scope(|sc| {
+        let mut handles = Vec::new();
+        for (d, dev) in rt.devices().into_iter().enumerate() {
+            for t in 0..opts.threads {
+                let (all, shared, stop, peer) = (&streams[d][..], &shared[d], &stop, &peer);
+                let id = (d * opts.threads + t) as u64;
+                handles.push(sc.spawn(move || {
+                    let r = thread_main(opts, dev, sim, all, t, id, shared, stop, Some(peer));
+                    if r.is_err() {
+                        stop.store(true, Relaxed);
+                    }
+                    r
+                }));
+            }
+        }
+        while start.elapsed() < opts.duration && !stop.load(Relaxed) {
+            std::thread::sleep(Duration::from_millis(20).min(opts.duration));
+        }
+        stop.store(true, Relaxed);
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    let seconds = start.elapsed().as_secs_f64();
+    let totals = per_thread.into_iter().collect::<Result<Vec<_>>>()?;
+    let mut alloc_ns = worker::new_histogram();
+    let mut p = PeerStress {
+        name,
+        seconds,
+        ..Default::default()
+    };
+    for t in &totals {
+        alloc_ns.add(&t.alloc_ns).map_err(hist_err)?;
+        p.ops += t.allocs + t.frees;
+        p.ooms += t.ooms;
+    }
+    let mut calls = DriverCalls::new();
+    let mut bytes = DriverCalls::new();
+    for (d, sh) in shared.iter().enumerate() {
+        p.peak_live_bytes += sh.peak_live.load(Relaxed);
+        p.false_ooms += sh.false_ooms.load(Relaxed);
+        p.peak_reserved_bytes += peer.peak_reserved_bytes(d)?;
+        for (k, v) in peer.driver_calls(d)? {
+            *calls.entry(k).or_default() += v;
+        }
+        for (k, v) in peer.driver_bytes(d)? {
+            *bytes.entry(k).or_default() += v;
+        }
+    }
+    // As in the replays: `cuMemSetAccess` covers one page per map.
+    if let Some(&maps) = calls.get(gpupool::backend::Call::Map.name()) {
+        bytes.insert(gpupool::backend::Call::SetAccess.name(), maps);
+    }
+    p.driver_ms = rt.config().driver_costs.millis_of(&calls, Some(&bytes))?;
+    p.driver_calls = calls.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    p.ops_per_sec = p.ops as f64 / seconds.max(1e-9);
+    p.device_locks_per_op = peer.device_locks() as f64 / p.ops.max(1) as f64;
+    p.p50_ns = alloc_ns.value_at_quantile(0.50);
+    p.p99_ns = alloc_ns.value_at_quantile(0.99);
+    p.p999_ns = alloc_ns.value_at_quantile(0.999);
+    Ok(p)
 }
 
 /// Samples memory and reports progress until the duration is over or a
@@ -302,6 +400,7 @@ fn thread_main(
     id: u64,
     shared: &DeviceShared,
     stop: &AtomicBool,
+    peer: Option<&TorchPeer>,
 ) -> Result<ThreadTotals> {
     let mix = Mix {
         raw_percent: opts.raw_percent,
@@ -320,6 +419,7 @@ fn thread_main(
         opts.seed,
         shared,
         stop,
+        peer,
     )?;
     let r = match opts.workload {
         Workload::Training => {
@@ -377,6 +477,25 @@ fn build_report(
     let driver = counts.syncs_after.since(counts.syncs_before);
     r.driver_calls = driver.nonzero_calls();
     r.driver_ms = rt.config().driver_costs.millis(&driver);
+    let ordered: u64 = totals
+        .iter()
+        .flatten()
+        .map(|t| {
+            t.cross_stream_uses
+                + if opts.misuse_unordered_frees {
+                    0
+                } else {
+                    t.cross_stream_frees
+                }
+        })
+        .sum();
+    let harness: DriverCalls = [
+        (gpupool::backend::Call::EventRecord.name(), ordered),
+        (gpupool::backend::Call::StreamWaitEvent.name(), ordered),
+    ]
+    .into_iter()
+    .collect();
+    r.harness_driver_ms = rt.config().driver_costs.millis_of(&harness, None)?;
     let mut alloc_ns = worker::new_histogram();
     let mut small_ns = worker::new_histogram();
     let mut large_ns = worker::new_histogram();

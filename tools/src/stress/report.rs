@@ -71,6 +71,45 @@ pub struct DeviceStress {
     pub audit_error: Option<String>,
 }
 
+/// The same traffic through a peer allocator (`gpupool stress --peers`):
+/// PyTorch's caching allocator as the replay port models it, behind
+/// PyTorch's locks (`bench::torch_peer`), one run after gpupool's, for
+/// the same duration, on the same streams. The harness's own stream
+/// events are the same; the port frees at once (it models no
+/// `record_stream` events, which favours it) and its addresses are
+/// simulated (no verify kernels).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct PeerStress {
+    /// `torch` or `torch_expandable`.
+    pub name: &'static str,
+    /// Wall time of the traffic in seconds.
+    pub seconds: f64,
+    /// Allocs plus frees, all devices.
+    pub ops: u64,
+    /// Operations per second, all devices.
+    pub ops_per_sec: f64,
+    /// Median alloc latency in nanoseconds.
+    pub p50_ns: u64,
+    /// 99th percentile alloc latency.
+    pub p99_ns: u64,
+    /// 99.9th percentile alloc latency.
+    pub p999_ns: u64,
+    /// Sum over devices of each device's peak live (requested) bytes.
+    pub peak_live_bytes: u64,
+    /// Sum over devices of each device's peak reserved bytes.
+    pub peak_reserved_bytes: u64,
+    /// Allocations refused (handled by the workload).
+    pub ooms: u64,
+    /// Refusals while the memory was not in use (as for gpupool).
+    pub false_ooms: u64,
+    /// Acquisitions of a device's one allocator mutex per operation.
+    pub device_locks_per_op: f64,
+    /// The port's driver calls, all devices, by CUDA driver name.
+    pub driver_calls: std::collections::BTreeMap<String, u64>,
+    /// Their modeled time in milliseconds (the same cost table).
+    pub driver_ms: f64,
+}
+
 /// The report of one stress run. The keys `ops`, `integrity_errors`,
 /// `leaked_bytes`, `host_syncs_on_alloc_path`, `p50_ns`, `p99_ns`,
 /// `peak_live_bytes` and `peak_reserved_bytes` are part of the public
@@ -173,8 +212,13 @@ pub struct StressReport {
     /// Modeled driver time of those calls in milliseconds, under the
     /// configuration's cost table.
     pub driver_ms: f64,
+    /// The part of `driver_ms` the harness spent itself: the event record
+    /// and stream wait that order each cross-stream use and free.
+    pub harness_driver_ms: f64,
     /// Per-device figures.
     pub per_device: Vec<DeviceStress>,
+    /// The same traffic through the peers, with `--peers` (else empty).
+    pub peers: Vec<PeerStress>,
 }
 
 impl StressReport {
@@ -287,9 +331,10 @@ impl fmt::Display for StressReport {
         )?;
         writeln!(
             f,
-            "  driver            {} calls, {:.2} ms modeled",
+            "  driver            {} calls, {:.2} ms modeled ({:.2} ms of them the harness's)",
             self.driver_calls.values().sum::<u64>(),
-            self.driver_ms
+            self.driver_ms,
+            self.harness_driver_ms
         )?;
         let flat = match self.reserved_flat {
             Some(true) => "yes",
@@ -337,6 +382,68 @@ impl fmt::Display for StressReport {
                     "FAILED"
                 }
             )?;
+        }
+        if !self.peers.is_empty() {
+            writeln!(
+                f,
+                "  same traffic      {:>16} {:>10} {:>8} {:>12} {:>14} {:>10} {:>6} {:>11} {:>10}",
+                "allocator",
+                "ops/s",
+                "p99.9",
+                "peak live",
+                "peak reserved",
+                "res/live",
+                "OOMs",
+                "locks/op",
+                "driver ms"
+            )?;
+            let row = |f: &mut fmt::Formatter<'_>,
+                       name: &str,
+                       ops: f64,
+                       p999: u64,
+                       live: u64,
+                       res: u64,
+                       ooms: u64,
+                       locks: f64,
+                       ms: f64| {
+                writeln!(
+                    f,
+                    "                    {:>16} {:>10.0} {:>6}us {:>12} {:>14} {:>9.2}x {:>6} {:>11.3} {:>10.1}",
+                    name,
+                    ops,
+                    p999 / 1000,
+                    fmt_bytes(live),
+                    fmt_bytes(res),
+                    res as f64 / live.max(1) as f64,
+                    ooms,
+                    locks,
+                    ms
+                )
+            };
+            row(
+                f,
+                "gpupool",
+                self.ops_per_sec,
+                self.p999_ns,
+                self.peak_live_bytes,
+                self.peak_reserved_bytes,
+                self.ooms,
+                self.heap_locks_per_op,
+                self.driver_ms - self.harness_driver_ms,
+            )?;
+            for p in &self.peers {
+                row(
+                    f,
+                    p.name,
+                    p.ops_per_sec,
+                    p.p999_ns,
+                    p.peak_live_bytes,
+                    p.peak_reserved_bytes,
+                    p.ooms,
+                    p.device_locks_per_op,
+                    p.driver_ms,
+                )?;
+            }
         }
         for d in self.per_device.iter().filter(|d| d.audit_error.is_some()) {
             writeln!(

@@ -7,6 +7,7 @@
 //! run was made by the pool.
 
 use super::workload::Rng;
+use crate::bench::torch_peer::TorchPeer;
 use gpupool::backend::sim::{SimBackend, VerifyResult};
 use gpupool::backend::Backend;
 use gpupool::pool::{Block, DevicePool, Stream};
@@ -28,10 +29,12 @@ pub(crate) fn new_histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("valid histogram bounds")
 }
 
-/// The memory of an item: a RAII block or a raw pointer.
+/// The memory of an item: a RAII block or a raw pointer of the pool, or
+/// an address of the PyTorch port (a peer run).
 pub(crate) enum Handle<'a> {
     Block(Block<'a>),
     Raw(DevicePtr),
+    Peer(u64),
 }
 
 /// A live allocation of the workload; kernels may still be queued on it.
@@ -75,6 +78,9 @@ pub(crate) struct DeviceShared {
     /// Out-of-memory errors while the memory was not in use (see
     /// [`DeviceShared::is_false_oom`]).
     pub false_ooms: AtomicU64,
+    /// The most requested bytes live at once (kept for peer runs, whose
+    /// allocator keeps no such figure).
+    pub peak_live: AtomicU64,
 }
 
 impl DeviceShared {
@@ -109,6 +115,9 @@ pub(crate) struct ThreadTotals {
 /// One thread's state.
 pub(crate) struct Worker<'a> {
     pub(crate) dev: &'a DevicePool,
+    /// In a peer run, the allocator every block comes from instead of
+    /// `dev` (which then only names the device and its size classes).
+    peer: Option<&'a TorchPeer>,
     sim: &'a SimBackend,
     /// Every stream of the device.
     streams: &'a [Stream],
@@ -142,6 +151,7 @@ impl<'a> Worker<'a> {
         seed: u64,
         shared: &'a DeviceShared,
         stop: &'a AtomicBool,
+        peer: Option<&'a TorchPeer>,
     ) -> Result<Worker<'a>> {
         let events = streams
             .iter()
@@ -150,11 +160,13 @@ impl<'a> Worker<'a> {
         shared.threads.fetch_add(1, Relaxed);
         Ok(Worker {
             dev,
+            peer,
             sim,
             streams,
             home,
             events,
-            verify,
+            // The port's addresses are simulated: nothing to write.
+            verify: verify && peer.is_none(),
             mix,
             rng: Rng::new(seed ^ id.wrapping_mul(0xD1B5_4A32_D192_ED03)),
             id,
@@ -207,10 +219,12 @@ impl<'a> Worker<'a> {
         let (dev, streams) = (self.dev, self.streams);
         let stream = &streams[si];
         let t = Instant::now();
-        let r = if raw {
-            dev.alloc_raw(size as usize, stream).map(Handle::Raw)
-        } else {
-            dev.alloc(size as usize, stream).map(Handle::Block)
+        let r = match self.peer {
+            Some(p) => p
+                .alloc(dev.device(), size, stream.handle().raw())
+                .map(Handle::Peer),
+            None if raw => dev.alloc_raw(size as usize, stream).map(Handle::Raw),
+            None => dev.alloc(size as usize, stream).map(Handle::Block),
         };
         let ns = t.elapsed().as_nanos() as u64;
         self.shared.max_request.fetch_max(size, Relaxed);
@@ -236,11 +250,13 @@ impl<'a> Worker<'a> {
             self.totals.large_alloc_ns.saturating_record(ns.max(1));
         }
         self.totals.allocs += 1;
-        self.shared.live.fetch_add(size, Relaxed);
+        let live = self.shared.live.fetch_add(size, Relaxed) + size;
+        self.shared.peak_live.fetch_max(live, Relaxed);
         self.count_op();
         let ptr = match &h {
             Handle::Block(b) => b.ptr(),
             Handle::Raw(p) => *p,
+            Handle::Peer(a) => DevicePtr(*a),
         };
         self.serial += 1;
         let seed = (self.id << 40) ^ self.serial;
@@ -290,6 +306,8 @@ impl<'a> Worker<'a> {
         match &it.h {
             Handle::Block(b) => b.record_stream(other),
             Handle::Raw(p) => self.dev.record_stream_raw(*p, other)?,
+            // The port frees at once (it models no record_stream events).
+            Handle::Peer(_) => {}
         }
         self.totals.cross_stream_uses += 1;
         if self.verify {
@@ -327,6 +345,20 @@ impl<'a> Worker<'a> {
         self.shared.live.fetch_sub(it.len, Relaxed);
         match (it.h, it.free_on) {
             (Handle::Block(b), _) => drop(b),
+            (Handle::Peer(a), free_on) => {
+                // The harness orders a cross-stream free as for the pool.
+                if let Some(o) = free_on {
+                    self.sim
+                        .record_event(d, self.events[it.stream], own.handle())?;
+                    self.sim.stream_wait_event(
+                        d,
+                        self.streams[o].handle(),
+                        self.events[it.stream],
+                    )?;
+                    self.totals.cross_stream_frees += 1;
+                }
+                self.peer.expect("peer items come from a peer").free(a)?;
+            }
             (Handle::Raw(p), None) => self.dev.free_raw(p, own)?,
             (Handle::Raw(p), Some(o)) => {
                 // Freed from another stream: that stream first waits for
@@ -383,7 +415,9 @@ impl<'a> Worker<'a> {
             self.unpublished = 0;
             // Completed cross-stream frees go back to the free lists now and
             // then, as a maintenance thread would do (never blocks).
-            self.dev.harvest();
+            if self.peer.is_none() {
+                self.dev.harvest();
+            }
         }
     }
 
