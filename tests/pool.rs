@@ -619,8 +619,11 @@ fn record_stream_holds_memory_back_until_the_other_stream_is_done() {
         sim.sync_stream(0, s1.handle()).unwrap();
         assert_eq!(dev.harvest(), 1);
         assert_eq!(dev.stats().pending_bytes.current, 0);
-        // Now it is clean: any stream may have it.
-        let y = dev.alloc(size, &s2).unwrap();
+        // Now a small slot is back on s1's dirty stack (PyTorch's rule,
+        // see `returning.rs`), and a large range is clean: any stream may
+        // have it.
+        let back_on = if size <= 4096 { &s1 } else { &s2 };
+        let y = dev.alloc(size, back_on).unwrap();
         assert_eq!(y.ptr(), p);
         dev.audit().unwrap();
     }
@@ -1149,5 +1152,125 @@ fn parked_large_ranges_change_hands_between_blocks_and_raw_pointers() {
     dev.audit().unwrap();
     drop(b);
     assert_eq!(state_at(addr), Some((0, BlockState::Inactive)));
+    dev.audit().unwrap();
+}
+
+/// PyTorch's `record_stream` rule for small blocks: the free records one
+/// event, on the other stream only; once it completes the slot goes back
+/// to the stream that freed it (its dirty stack), never to another stream
+/// before that, and the audit accounts for it while it waits.
+#[test]
+fn a_recorded_small_block_returns_to_its_stream_behind_one_event() {
+    let rt = Runtime::builder()
+        .backend(BackendKind::Sim(SimConfig {
+            capacity_bytes: 256 * MIB,
+            ..Default::default()
+        }))
+        .config(PoolConfig::parse("thread_cache=false,handover=false").unwrap())
+        .maintenance(false)
+        .build()
+        .unwrap();
+    let dev = rt.device(0).unwrap();
+    let be = dev.backend();
+    let sim = sim_of(dev);
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let b = dev.alloc(4096, &s1).unwrap();
+    let p = b.ptr();
+    b.record_stream(&s2);
+    sim.stall_stream(0, s2.handle(), Duration::from_millis(300))
+        .unwrap();
+    let records = be.counters().get(gpupool::backend::Call::EventRecord);
+    drop(b);
+    assert_eq!(
+        be.counters().get(gpupool::backend::Call::EventRecord) - records,
+        1,
+        "one event, on the other stream"
+    );
+    assert!(dev.stats().pending_bytes.current >= 4096);
+    dev.audit().unwrap();
+    // Neither stream gets it while the other stream's work is pending.
+    let mut held = Vec::new();
+    for s in [&s1, &s2, &s1] {
+        let x = dev.alloc(4096, s).unwrap();
+        assert_ne!(x.ptr(), p);
+        held.push(x);
+    }
+    dev.harvest();
+    assert!(held.iter().all(|x| x.ptr() != p));
+    sim.sync_stream(0, s2.handle()).unwrap();
+    dev.harvest();
+    // Back on s1's dirty stack: s2 does not get it, s1 does, and no
+    // further event was recorded for it.
+    let on_s2 = dev.alloc(4096, &s2).unwrap();
+    assert_ne!(on_s2.ptr(), p);
+    let on_s1 = dev.alloc(4096, &s1).unwrap();
+    assert_eq!(on_s1.ptr(), p, "s1 reuses the slot it freed");
+    assert_eq!(
+        be.counters().get(gpupool::backend::Call::EventRecord) - records,
+        1
+    );
+    drop((on_s1, on_s2, held));
+    dev.audit().unwrap();
+}
+
+/// A stream that retires while a slot it freed still waits on another
+/// stream hands the slot to the pending list behind that stream's event
+/// and its own: a new stream (which may get the retired stream's slot
+/// index) reuses it only once both streams' work completed, even when
+/// the other stream finishes first.
+#[test]
+fn a_returning_slot_of_a_retired_stream_waits_for_both_streams() {
+    let rt = Runtime::builder()
+        .backend(BackendKind::Sim(SimConfig {
+            capacity_bytes: 256 * MIB,
+            ..Default::default()
+        }))
+        .config(PoolConfig::parse("thread_cache=false,handover=false").unwrap())
+        .maintenance(false)
+        .build()
+        .unwrap();
+    let dev = rt.device(0).unwrap();
+    let sim = sim_of(dev);
+    let s2 = dev.new_stream().unwrap();
+    let s1 = dev.new_stream().unwrap();
+    let b = dev.alloc(4096, &s1).unwrap();
+    let p = b.ptr();
+    b.record_stream(&s2);
+    let start = std::time::Instant::now();
+    sim.stall_stream(0, s1.handle(), Duration::from_millis(2500))
+        .unwrap();
+    sim.stall_stream(0, s2.handle(), Duration::from_millis(50))
+        .unwrap();
+    drop(b);
+    drop(s1);
+    dev.audit().unwrap();
+    sim.sync_stream(0, s2.handle()).unwrap();
+    dev.harvest();
+    let s3 = dev.new_stream().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..40 {
+        let x = dev.alloc(4096, &s3).unwrap();
+        held.push(x);
+    }
+    // s1's work is still queued (2.5 s of it; this takes milliseconds).
+    assert!(start.elapsed() < Duration::from_millis(2000));
+    assert!(
+        held.iter().all(|x| x.ptr() != p),
+        "reused before the retired stream's work completed"
+    );
+    std::thread::sleep(Duration::from_millis(2500).saturating_sub(start.elapsed()));
+    let mut found = false;
+    for _ in 0..2000 {
+        dev.harvest();
+        let x = dev.alloc(4096, &s3).unwrap();
+        found |= x.ptr() == p;
+        held.push(x);
+        if found {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(found, "the slot is reusable once both streams are done");
+    drop(held);
     dev.audit().unwrap();
 }

@@ -97,6 +97,15 @@ impl EventOrder {
 }
 
 impl Mark {
+    /// The mark the next event recorded on `order` will get: once it is
+    /// known done, so is all work queued on the stream before now.
+    pub(crate) fn next(order: &Arc<EventOrder>) -> Mark {
+        Mark {
+            order: order.clone(),
+            seq: *order.last.lock() + 1,
+        }
+    }
+
     /// Whether the event is known complete (no query needed).
     pub(crate) fn known_done(&self) -> bool {
         self.order.done.load(Acquire) >= self.seq

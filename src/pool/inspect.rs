@@ -105,6 +105,12 @@ impl PoolShared {
         for p in records {
             self.pending.push(p);
         }
+        // Slots on their way back to the streams that freed them.
+        for (class, idx) in self.returning.slots() {
+            note(&mut c, idx, "a returning queue");
+            c.pending.insert(idx);
+            c.pending_bytes += self.slabs.classes.size_of(class as usize);
+        }
         // Orphans handed over by magazines whose tomb is not ripe yet.
         for t in self.tombs.lock().values() {
             for (class, slots) in t.parts() {

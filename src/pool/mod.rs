@@ -7,7 +7,9 @@
 //!  free(block)
 //!     ├─ used on its stream only ─► dirty[stream] / Dirty(stream) range: reusable
 //!     │                              at once by that stream
-//!     └─ record_stream'd ─────────► events on every stream → pending list →
+//!     ├─ small, record_stream'd ─► events on the other streams → back to
+//!     │                             dirty[stream] once they complete
+//!     └─ large, record_stream'd ─► events on every stream → pending list →
 //!                                   clean once they complete (harvested without
 //!                                   blocking) or handed over via stream-wait-event
 //! ```
@@ -45,6 +47,7 @@ mod private_pool;
 mod raw;
 mod reclaim;
 mod release;
+mod returning;
 mod size_class;
 mod size_index;
 mod slab_index;
@@ -119,6 +122,9 @@ pub(crate) struct PoolShared {
     /// Each stream's parked large ranges and live large blocks, behind
     /// its own lock (see `stream_large.rs`).
     by_stream: stream_large::StreamLarge,
+    /// Small slots freed after uses on other streams, on their way back to
+    /// the stream that freed them (see `returning.rs`).
+    returning: returning::Returning,
     /// Slab base address -> slab id, for raw frees.
     slab_index: slab_index::SlabIndex,
     pending: PendingList<Pending>,
@@ -249,6 +255,7 @@ impl DevicePool {
                 slab_tail_bytes: 0,
             }),
             by_stream: stream_large::StreamLarge::new(STREAM_SLOTS),
+            returning: returning::Returning::new(STREAM_SLOTS),
             slab_index: slab_index::SlabIndex::new(reservation),
             pending: PendingList::new(),
             kept: reclaim::KeptRecords::default(),
@@ -591,6 +598,15 @@ impl PoolShared {
 
     fn alloc_small_slow(&self, class: usize, size: u64, stream: &Stream) -> Result<u32> {
         let slot = stream.slot().map(usize::from);
+        // Slots this stream freed after uses on other streams whose uses
+        // completed since (see `returning.rs`): before any driver call.
+        if let Some(s) = stream.slot() {
+            if self.settle_returning(s) {
+                if let Some(i) = self.slabs.pop(class, slot) {
+                    return Ok(i);
+                }
+            }
+        }
         self.detect_capture(stream);
         self.try_harvest();
         if let Some(i) = self.slabs.pop(class, slot) {
@@ -807,7 +823,8 @@ impl PoolShared {
                             self.slabs.push_dirty(class, s as usize, idx);
                         }
                     }
-                    _ => self.park_slots(class, vec![idx], stream.core(), extra),
+                    Some(s) => self.return_slot(s, class, idx, stream.core(), extra),
+                    None => self.park_slots(class, vec![idx], stream.core(), extra),
                 }
             }
             Kind::Large { len } => {
@@ -861,8 +878,16 @@ impl PoolShared {
     /// memory is never released by harvesting, only by `trim`, which
     /// synchronizes that stream first.
     fn record_events(&self, own: &Arc<StreamCore>, extra: &[Arc<StreamCore>]) -> Waits {
+        let mut w = self.record_events_on(std::slice::from_ref(own));
+        w.absorb(self.record_events_on(extra));
+        w
+    }
+
+    /// Records one pooled event on each of `streams` (see
+    /// [`PoolShared::record_events`]).
+    fn record_events_on(&self, streams: &[Arc<StreamCore>]) -> Waits {
         let mut w = Waits::default();
-        for s in std::iter::once(own).chain(extra) {
+        for s in streams {
             match self.record_on(s) {
                 Ok((ev, mark)) => w.push(ev, mark),
                 Err(e) => {
@@ -914,6 +939,43 @@ impl PoolShared {
             return Err(e);
         }
         Ok(ev)
+    }
+
+    /// A slot freed on stream slot `s` (of `own`) after uses on `extra`:
+    /// one event on each of those, and back to `s` once they complete
+    /// (see `returning.rs`). A stream whose event could not be recorded
+    /// sends it down the general path, behind an event on `own` too.
+    fn return_slot(
+        &self,
+        s: u16,
+        class: usize,
+        idx: u32,
+        own: &Arc<StreamCore>,
+        extra: &[Arc<StreamCore>],
+    ) {
+        let bytes = self.slabs.classes.size_of(class);
+        let mut waits = self.record_events_on(extra);
+        self.counters.pending_slot_bytes.fetch_add(bytes, Relaxed);
+        self.counters.pending_frees.fetch_add(1, Relaxed);
+        if waits.unrecorded.is_empty() {
+            let e = returning::Entry {
+                class: class as u16,
+                idx,
+                waits,
+                owner_done: event_order::Mark::next(&own.order),
+            };
+            match self.returning.push(s, e) {
+                Ok(()) => return,
+                Err(e) => waits = e.waits,
+            }
+        }
+        waits.absorb(self.record_events_on(std::slice::from_ref(own)));
+        self.pending.push(Pending::Slots {
+            class: class as u16,
+            slots: vec![idx],
+            waits,
+            bytes,
+        });
     }
 
     fn park_slots(

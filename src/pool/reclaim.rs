@@ -134,6 +134,7 @@ impl PoolShared {
 
     fn harvest_with(&self, mut gate: parking_lot::MutexGuard<'_, HarvestGate>) -> usize {
         let mut released = self.harvest_quarantine(&mut Progress::default());
+        released += self.settle_all_returning();
         if self.no_pending() {
             return released;
         }
@@ -333,31 +334,50 @@ impl PoolShared {
     /// with one event recorded on that stream, so that other streams can
     /// reuse it once the event completes.
     pub(super) fn flush_slot(&self, slot: usize, core: &Arc<StreamCore>) {
+        // Slots still waiting on other streams first (see `returning.rs`,
+        // invariant 2): they join the stream's dirty slots, and their
+        // waits the record's.
+        let mut returned_waits = Waits::default();
+        let mut returned: Vec<(u16, u32)> = Vec::new();
+        for e in self.returning.drain(slot as u16) {
+            returned.push((e.class, e.idx));
+            returned_waits.absorb(e.waits);
+        }
         // Every class's dirty slots behind one event.
         let parts: Vec<(u16, Vec<u32>)> = (0..self.slabs.classes.len())
-            .map(|class| (class as u16, self.slabs.take_dirty(class, slot)))
+            .map(|class| {
+                let mut idxs = self.slabs.take_dirty(class, slot);
+                idxs.extend(
+                    returned
+                        .iter()
+                        .filter(|&&(c, _)| c as usize == class)
+                        .map(|&(_, i)| i),
+                );
+                (class as u16, idxs)
+            })
             .filter(|(_, idxs)| !idxs.is_empty())
             .collect();
-        match parts.len() {
-            0 => {}
-            1 => {
-                let (class, idxs) = parts.into_iter().next().expect("one part");
-                self.park_slots(class as usize, idxs, core, &[]);
-            }
-            _ => {
-                let bytes = parts
-                    .iter()
-                    .map(|(c, v)| v.len() as u64 * self.slabs.classes.size_of(*c as usize))
-                    .sum();
-                let waits = self.record_events(core, &[]);
-                self.counters.pending_slot_bytes.fetch_add(bytes, Relaxed);
-                self.counters.pending_frees.fetch_add(1, Relaxed);
-                self.pending.push(Pending::Classes {
-                    parts,
-                    waits,
-                    bytes,
-                });
-            }
+        if !parts.is_empty() {
+            let bytes: u64 = parts
+                .iter()
+                .map(|(c, v)| v.len() as u64 * self.slabs.classes.size_of(*c as usize))
+                .sum();
+            let returned_bytes: u64 = returned
+                .iter()
+                .map(|&(c, _)| self.slabs.classes.size_of(c as usize))
+                .sum();
+            let mut waits = self.record_events(core, &[]);
+            waits.absorb(returned_waits);
+            // The returning slots were counted as pending already.
+            self.counters
+                .pending_slot_bytes
+                .fetch_add(bytes - returned_bytes, Relaxed);
+            self.counters.pending_frees.fetch_add(1, Relaxed);
+            self.pending.push(Pending::Classes {
+                parts,
+                waits,
+                bytes,
+            });
         }
         let mut h = self.heap.lock();
         for (_, addr) in self.by_stream.drain_slot(slot as u16) {
