@@ -61,6 +61,9 @@ struct Queue {
 #[derive(Debug)]
 pub(crate) struct Returning {
     queues: Box<[CachePadded<Queue>]>,
+    /// Entries in all queues (changed under a queue's lock): a harvest
+    /// with none queued looks at no queue.
+    total: CachePadded<AtomicUsize>,
 }
 
 /// A slot a settle gives back, and whether it is clean for every stream.
@@ -71,6 +74,7 @@ impl Returning {
     pub(crate) fn new(slots: usize) -> Self {
         Returning {
             queues: (0..slots).map(|_| CachePadded::default()).collect(),
+            total: CachePadded::default(),
         }
     }
 
@@ -82,6 +86,7 @@ impl Returning {
         let mut entries = q.entries.lock();
         entries.push_back(e);
         q.count.store(entries.len(), Relaxed);
+        self.total.fetch_add(1, Relaxed);
         Ok(())
     }
 
@@ -95,7 +100,7 @@ impl Returning {
 
     /// Whether no slot has entries (as last published).
     pub(crate) fn is_empty(&self) -> bool {
-        self.queues.iter().all(|q| q.count.load(Relaxed) == 0)
+        self.total.load(Relaxed) == 0
     }
 
     /// Every queued slot as `(class, idx)` (exact while no stream frees or
@@ -116,6 +121,7 @@ impl Returning {
         let mut entries = q.entries.lock();
         let out: Vec<Entry> = entries.drain(..).collect();
         q.count.store(0, Relaxed);
+        self.total.fetch_sub(out.len(), Relaxed);
         out
     }
 
@@ -155,6 +161,7 @@ impl Returning {
         }
         if !settled.is_empty() {
             put(&settled);
+            self.total.fetch_sub(settled.len(), Relaxed);
         }
         q.count.store(entries.len(), Relaxed);
         out
