@@ -24,6 +24,20 @@ fn sim_runtime(devices: usize, capacity: u64) -> Runtime {
         .unwrap()
 }
 
+/// One 256 MiB simulated device with pool configuration `conf`, no
+/// background harvester.
+fn sim_runtime_with(conf: &str) -> Runtime {
+    Runtime::builder()
+        .backend(BackendKind::Sim(SimConfig {
+            capacity_bytes: 256 * MIB,
+            ..Default::default()
+        }))
+        .config(PoolConfig::parse(conf).unwrap())
+        .maintenance(false)
+        .build()
+        .unwrap()
+}
+
 fn sim_of(pool: &DevicePool) -> &SimBackend {
     pool.backend()
         .as_any()
@@ -587,15 +601,7 @@ fn record_stream_holds_memory_back_until_the_other_stream_is_done() {
     // Without handover: a pending block goes to no stream until harvested.
     // (With it, see the next test, a stream may take it by waiting on the
     // device.)
-    let rt = Runtime::builder()
-        .backend(BackendKind::Sim(SimConfig {
-            capacity_bytes: 256 * MIB,
-            ..Default::default()
-        }))
-        .config(PoolConfig::parse("handover=false").unwrap())
-        .maintenance(false)
-        .build()
-        .unwrap();
+    let rt = sim_runtime_with("handover=false");
     let dev = rt.device(0).unwrap();
     let sim = sim_of(dev);
     let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
@@ -1161,15 +1167,7 @@ fn parked_large_ranges_change_hands_between_blocks_and_raw_pointers() {
 /// before that, and the audit accounts for it while it waits.
 #[test]
 fn a_recorded_small_block_returns_to_its_stream_behind_one_event() {
-    let rt = Runtime::builder()
-        .backend(BackendKind::Sim(SimConfig {
-            capacity_bytes: 256 * MIB,
-            ..Default::default()
-        }))
-        .config(PoolConfig::parse("thread_cache=false,handover=false").unwrap())
-        .maintenance(false)
-        .build()
-        .unwrap();
+    let rt = sim_runtime_with("thread_cache=false,handover=false");
     let dev = rt.device(0).unwrap();
     let be = dev.backend();
     let sim = sim_of(dev);
@@ -1220,15 +1218,7 @@ fn a_recorded_small_block_returns_to_its_stream_behind_one_event() {
 /// the other stream finishes first.
 #[test]
 fn a_returning_slot_of_a_retired_stream_waits_for_both_streams() {
-    let rt = Runtime::builder()
-        .backend(BackendKind::Sim(SimConfig {
-            capacity_bytes: 256 * MIB,
-            ..Default::default()
-        }))
-        .config(PoolConfig::parse("thread_cache=false,handover=false").unwrap())
-        .maintenance(false)
-        .build()
-        .unwrap();
+    let rt = sim_runtime_with("thread_cache=false,handover=false");
     let dev = rt.device(0).unwrap();
     let sim = sim_of(dev);
     let s2 = dev.new_stream().unwrap();
