@@ -16,6 +16,16 @@
 //!   holds the outer call's state for exactly as long as the outer call
 //!   holds the lock. Init and shutdown from inside a call are refused (the
 //!   write lock would wait for the caller's own read lock forever).
+//! - Each thread remembers the last (device, stream) it named
+//!   ([`LAST_STREAM`]), so a call on the same stream as the one before
+//!   reads no stream map. The memory is valid while the state's
+//!   generation and the device's stream epoch are those it recorded: a
+//!   removal from a stream map raises the epoch under the map's write
+//!   lock, and the removed stream is dropped only after a write lock of
+//!   [`GLOBAL`] (a grace period: every call that could still hold the
+//!   old pointer has returned), or, when removed from inside a call, by
+//!   the next grace period or the shutdown. Known streams are boxed, so
+//!   an insert never moves one.
 
 use super::limits::call_oom_callback;
 use super::status::{status, FResult, Fail, GpupoolStatus};
@@ -31,7 +41,7 @@ use std::cell::Cell;
 // adversary), and SipHash would be the costliest step of a call.
 use rustc_hash::FxHashMap as HashMap;
 use std::ffi::{c_char, c_int, c_void};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{LazyLock, PoisonError};
 
 /// A stream known to the ABI.
@@ -41,9 +51,9 @@ pub(super) struct Known {
     pub(super) created: bool,
 }
 
-/// Per device: raw stream handle -> stream. Sharded like [`GLOBAL`]: every
-/// call on a stream other than the default one reads it.
-pub(super) type StreamMap = ShardedLock<HashMap<u64, Known>>;
+/// Per device: raw stream handle -> stream. Sharded like [`GLOBAL`]: a call
+/// on another stream than its thread's previous call reads it.
+pub(super) type StreamMap = ShardedLock<HashMap<u64, Box<Known>>>;
 
 /// Everything `gpupool_init` builds.
 pub(super) struct State {
@@ -54,6 +64,41 @@ pub(super) struct State {
     pub(super) streams: Vec<StreamMap>,
     /// Per device: whether the pool calls the C out-of-memory callback.
     oom_hooked: Vec<AtomicBool>,
+    /// Per device: raised with every removal from its stream map (see the
+    /// file's invariants).
+    stream_epochs: Vec<AtomicU64>,
+    /// Which `gpupool_init` made this state (never 0).
+    generation: u64,
+    /// Streams removed from inside a call, dropped at the next grace
+    /// period. Boxed as in the maps: other threads may still hold a
+    /// pointer into the box, so the stream must not move.
+    #[allow(clippy::vec_box)]
+    graveyard: std::sync::Mutex<Vec<Box<Known>>>,
+}
+
+/// Generations of states; 0 is none.
+static GENERATIONS: AtomicU64 = AtomicU64::new(1);
+
+/// A thread's last (device, stream) and what it resolved to.
+#[derive(Clone, Copy)]
+struct LastStream {
+    generation: u64,
+    device: c_int,
+    handle: u64,
+    epoch: u64,
+    pool: *const DevicePool,
+    stream: *const Stream,
+}
+
+impl LastStream {
+    const NONE: LastStream = LastStream {
+        generation: 0,
+        device: 0,
+        handle: 0,
+        epoch: 0,
+        pool: std::ptr::null(),
+        stream: std::ptr::null(),
+    };
 }
 
 impl State {
@@ -61,7 +106,7 @@ impl State {
     pub(super) fn read_streams(
         &self,
         dev: usize,
-    ) -> crossbeam_utils::sync::ShardedLockReadGuard<'_, HashMap<u64, Known>> {
+    ) -> crossbeam_utils::sync::ShardedLockReadGuard<'_, HashMap<u64, Box<Known>>> {
         // A panic never happens while a stream map is locked for writing
         // (inserts and removals only); a poisoned map is still consistent.
         self.streams[dev]
@@ -73,7 +118,7 @@ impl State {
     pub(super) fn write_streams(
         &self,
         dev: usize,
-    ) -> crossbeam_utils::sync::ShardedLockWriteGuard<'_, HashMap<u64, Known>> {
+    ) -> crossbeam_utils::sync::ShardedLockWriteGuard<'_, HashMap<u64, Box<Known>>> {
         self.streams[dev]
             .write()
             .unwrap_or_else(PoisonError::into_inner)
@@ -95,6 +140,8 @@ thread_local! {
     /// The state of the call this thread is inside, while that call holds
     /// its read lock of [`GLOBAL`]; null outside calls.
     static CURRENT: Cell<*const State> = const { Cell::new(std::ptr::null()) };
+    /// This thread's last stream (see the file's invariants).
+    static LAST_STREAM: Cell<LastStream> = const { Cell::new(LastStream::NONE) };
 }
 
 static LOG_INSTALLED: AtomicBool = AtomicBool::new(false);
@@ -142,6 +189,34 @@ pub(super) fn with_state<T>(f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> 
             "gpupool is shut down (gpupool_shutdown was called); gpupool_init starts it again",
         )),
     }
+}
+
+/// Drops a stream removed by [`State::remove_stream`] after a grace period:
+/// a write lock of [`GLOBAL`], which waits for every call in flight (any of
+/// which may hold the stream through its thread's [`LAST_STREAM`]). From
+/// inside a call (which holds a read lock) it is kept until the next grace
+/// period or the shutdown instead.
+pub(super) fn bury(gone: Option<Box<Known>>) {
+    let Some(k) = gone else { return };
+    let cur = CURRENT.with(Cell::get);
+    if !cur.is_null() {
+        // SAFETY: as in `with_state`: the outer call holds the state.
+        unsafe { &*cur }.keep_until_grace(k);
+        return;
+    }
+    let buried = match write_global("a stream removal") {
+        Ok(g) => match &*g {
+            Global::Live(st) => {
+                std::mem::take(&mut *st.graveyard.lock().unwrap_or_else(PoisonError::into_inner))
+            }
+            _ => Vec::new(),
+        },
+        Err(_) => Vec::new(),
+    };
+    // Outside every lock: dropping a stream flushes its free lists (and
+    // destroys a stream gpupool made).
+    drop(k);
+    drop(buried);
 }
 
 /// The write lock of [`GLOBAL`], refused inside a call on this thread.
@@ -208,11 +283,15 @@ fn init_with(cfg: PoolConfig) -> FResult<()> {
     let oom_hooked = (0..rt.device_count())
         .map(|_| AtomicBool::new(false))
         .collect();
+    let stream_epochs = (0..rt.device_count()).map(|_| AtomicU64::new(0)).collect();
     *g = Global::Live(Box::new(State {
         rt,
         sim,
         streams,
         oom_hooked,
+        stream_epochs,
+        generation: GENERATIONS.fetch_add(1, Ordering::Relaxed),
+        graveyard: std::sync::Mutex::default(),
     }));
     Ok(())
 }
@@ -275,10 +354,44 @@ impl State {
         handle: *mut c_void,
         f: impl FnOnce(&DevicePool, &Stream) -> FResult<T>,
     ) -> FResult<T> {
+        let h = handle as usize as u64;
+        let last = LAST_STREAM.with(Cell::get);
+        if last.generation == self.generation && last.device == device && last.handle == h {
+            let d = usize::try_from(device).unwrap_or(usize::MAX);
+            if self
+                .stream_epochs
+                .get(d)
+                .is_some_and(|e| e.load(Ordering::Acquire) == last.epoch)
+            {
+                // SAFETY: recorded by this thread for this very state
+                // (same generation), which outlives the call (our read
+                // lock of GLOBAL holds it). The pool lives as long as the
+                // state; the stream is the default stream of that pool or
+                // a boxed entry of the device's map, not removed since
+                // (same epoch), or removed but not yet dropped: a removed
+                // stream is dropped only after a grace period, which
+                // waits for this call (see the file's invariants).
+                let (pool, stream) = unsafe { (&*last.pool, &*last.stream) };
+                return f(pool, stream);
+            }
+        }
         let pool = self.pool(device)?;
         let dev = pool.device();
-        let h = handle as usize as u64;
+        let remember = |stream: &Stream, epoch: u64| {
+            LAST_STREAM.with(|c| {
+                c.set(LastStream {
+                    generation: self.generation,
+                    device,
+                    handle: h,
+                    epoch,
+                    pool,
+                    stream,
+                })
+            })
+        };
         if StreamHandle(h).canonical() == StreamHandle(0) {
+            let epoch = self.stream_epochs[dev].load(Ordering::Acquire);
+            remember(pool.default_stream(), epoch);
             return f(pool, pool.default_stream());
         }
         if StreamHandle(h) == StreamHandle::PER_THREAD {
@@ -290,7 +403,19 @@ impl State {
         {
             let m = self.read_streams(dev);
             if let Some(k) = m.get(&h) {
-                return f(pool, &k.stream);
+                // Read under the map's lock: a removal raises it under the
+                // write lock.
+                let epoch = self.stream_epochs[dev].load(Ordering::Acquire);
+                let stream: *const Stream = &k.stream;
+                drop(m);
+                remember(
+                    // SAFETY: boxed in the map; dropped only after a grace
+                    // period, which waits for this call.
+                    unsafe { &*stream },
+                    epoch,
+                );
+                // SAFETY: as above.
+                return f(pool, unsafe { &*stream });
             }
         }
         if let Some(other) =
@@ -314,14 +439,45 @@ impl State {
         let stream = {
             let mut m = self.write_streams(dev);
             m.entry(h)
-                .or_insert_with(|| Known {
-                    stream: pool.stream_from_raw(StreamHandle(h)),
-                    created: false,
+                .or_insert_with(|| {
+                    Box::new(Known {
+                        stream: pool.stream_from_raw(StreamHandle(h)),
+                        created: false,
+                    })
                 })
                 .stream
                 .clone()
         };
         f(pool, &stream)
+    }
+
+    /// Removes stream `h` of device `dev` from its map if `take(entry)`
+    /// says so (under the map's write lock, raising the device's stream
+    /// epoch): `Ok` with the entry, to be passed to [`bury`] once the call
+    /// has returned; `Err` with whether the map held `h`.
+    pub(super) fn remove_stream(
+        &self,
+        dev: usize,
+        h: u64,
+        take: impl FnOnce(&Known) -> FResult<()>,
+    ) -> FResult<Option<Box<Known>>> {
+        let mut m = self.write_streams(dev);
+        let Some(k) = m.get(&h) else {
+            return Ok(None);
+        };
+        take(k)?;
+        let gone = m.remove(&h);
+        self.stream_epochs[dev].fetch_add(1, Ordering::Release);
+        Ok(gone)
+    }
+
+    /// Keeps a removed stream until the next grace period (a removal made
+    /// from inside a call).
+    fn keep_until_grace(&self, k: Box<Known>) {
+        self.graveyard
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(k);
     }
 
     /// The device (other than `dev`) on which `addr` is a live raw

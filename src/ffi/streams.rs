@@ -4,9 +4,10 @@
 //!
 //! Invariant: a removed stream is dropped outside the registry's locks,
 //! since dropping it flushes its free lists (and, for a created stream,
-//! destroys the backend stream).
+//! destroys the backend stream), and only after a grace period (other
+//! threads' last-stream memories may name it: see `state.rs`).
 
-use super::state::{with_state, Known};
+use super::state::{bury, with_state, Known};
 use super::status::{status, Fail, GpupoolStatus};
 use crate::ptr::StreamHandle;
 use std::ffi::{c_int, c_void};
@@ -32,10 +33,10 @@ pub unsafe extern "C" fn gpupool_stream_create(device: c_int, out: *mut *mut c_v
             let h = s.handle().raw();
             st.write_streams(pool.device()).insert(
                 h,
-                Known {
+                Box::new(Known {
                     stream: s,
                     created: true,
-                },
+                }),
             );
             Ok(h)
         })?;
@@ -63,32 +64,34 @@ pub extern "C" fn gpupool_stream_destroy(device: c_int, stream: *mut c_void) -> 
                     "the default stream (NULL) cannot be destroyed",
                 ));
             }
-            let mut m = st.write_streams(dev);
-            match m.get(&h) {
-                Some(k) if k.created => Ok(m.remove(&h)),
-                Some(_) => Err(Fail::new(
-                    GpupoolStatus::InvalidHandle,
-                    format!("stream {h:#x} was not created by gpupool_stream_create"),
-                )),
-                None => {
-                    drop(m);
-                    let other = (0..st.streams.len())
-                        .find(|&d| d != dev && st.read_streams(d).contains_key(&h));
+            let gone = st.remove_stream(dev, h, |k| {
+                if k.created {
+                    Ok(())
+                } else {
                     Err(Fail::new(
                         GpupoolStatus::InvalidHandle,
-                        match other {
-                            Some(o) => {
-                                format!("stream {h:#x} belongs to device {o}, not device {dev}")
-                            }
-                            None => format!("unknown stream {h:#x} on device {dev}"),
-                        },
+                        format!("stream {h:#x} was not created by gpupool_stream_create"),
                     ))
                 }
+            })?;
+            if gone.is_none() {
+                let other = (0..st.streams.len())
+                    .find(|&d| d != dev && st.read_streams(d).contains_key(&h));
+                return Err(Fail::new(
+                    GpupoolStatus::InvalidHandle,
+                    match other {
+                        Some(o) => {
+                            format!("stream {h:#x} belongs to device {o}, not device {dev}")
+                        }
+                        None => format!("unknown stream {h:#x} on device {dev}"),
+                    },
+                ));
             }
+            Ok(gone)
         })?;
-        // Dropped outside the locks: this flushes the stream's free lists
-        // and destroys the backend stream.
-        drop(gone);
+        // Dropped outside the locks, after a grace period: this flushes
+        // the stream's free lists and destroys the backend stream.
+        bury(gone);
         Ok(())
     })
 }
@@ -113,21 +116,23 @@ pub extern "C" fn gpupool_stream_release(device: c_int, stream: *mut c_void) -> 
                     "a default stream cannot be released",
                 ));
             }
-            let mut m = st.write_streams(pool.device());
-            match m.get(&h) {
-                Some(k) if k.created => Err(Fail::new(
-                    GpupoolStatus::InvalidHandle,
-                    format!(
-                        "stream {h:#x} was created by gpupool_stream_create: \
-                         destroy it with gpupool_stream_destroy"
-                    ),
-                )),
-                Some(_) => Ok(m.remove(&h)),
-                None => Ok(None),
-            }
+            st.remove_stream(pool.device(), h, |k| {
+                if k.created {
+                    Err(Fail::new(
+                        GpupoolStatus::InvalidHandle,
+                        format!(
+                            "stream {h:#x} was created by gpupool_stream_create: \
+                             destroy it with gpupool_stream_destroy"
+                        ),
+                    ))
+                } else {
+                    Ok(())
+                }
+            })
         })?;
-        // Dropped outside the locks: this flushes the stream's free lists.
-        drop(gone);
+        // Dropped outside the locks, after a grace period: this flushes
+        // the stream's free lists.
+        bury(gone);
         Ok(())
     })
 }

@@ -358,6 +358,18 @@ int main(int argc, char **argv) {
     BAD(gpupool_stream_release(0, (void *)2), GPUPOOL_STATUS_INVALID_HANDLE, "default stream");
     BAD(gpupool_stream_release(0, s0), GPUPOOL_STATUS_INVALID_HANDLE, "gpupool_stream_destroy");
     BAD(gpupool_stream_release(7, (void *)0x7777), GPUPOOL_STATUS_INVALID_DEVICE, "invalid device 7");
+    /* A destroyed stream is refused on this thread's next call, though
+     * this thread's last call named it (its memory of that call must not
+     * outlive the stream). */
+    {
+        void *sx = NULL, *px = NULL;
+        EXPECT(gpupool_stream_create(0, &sx), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_alloc(4096, 0, sx, &px), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_free(px, 0, sx), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_stream_destroy(0, sx), GPUPOOL_STATUS_OK, "");
+        BAD(gpupool_alloc(4096, 0, sx, &px), GPUPOOL_STATUS_INVALID_HANDLE, "unknown stream");
+        BAD(gpupool_stream_destroy(0, sx), GPUPOOL_STATUS_INVALID_HANDLE, "unknown stream");
+    }
     /* A stream never used through the ABI: nothing to release. */
     EXPECT(gpupool_stream_release(0, (void *)0x7777), GPUPOOL_STATUS_OK, "");
     /* The calling thread's default stream (CU_STREAM_PER_THREAD) and the
