@@ -343,36 +343,22 @@ impl<'a> Worker<'a> {
         }
         let t = Instant::now();
         self.shared.live.fetch_sub(it.len, Relaxed);
-        match (it.h, it.free_on) {
-            (Handle::Block(b), _) => drop(b),
-            (Handle::Peer(a), free_on) => {
-                // The harness orders a cross-stream free as for the pool.
-                if let Some(o) = free_on {
-                    self.sim
-                        .record_event(d, self.events[it.stream], own.handle())?;
-                    self.sim.stream_wait_event(
-                        d,
-                        self.streams[o].handle(),
-                        self.events[it.stream],
-                    )?;
-                    self.totals.cross_stream_frees += 1;
-                }
-                self.peer.expect("peer items come from a peer").free(a)?;
+        // Freed from another stream: that stream first waits for
+        // everything the item's own stream did with it.
+        if let Some(o) = it.free_on {
+            if !self.mix.unordered_frees {
+                self.sim
+                    .record_event(d, self.events[it.stream], own.handle())?;
+                self.sim
+                    .stream_wait_event(d, self.streams[o].handle(), self.events[it.stream])?;
             }
-            (Handle::Raw(p), None) => self.dev.free_raw(p, own)?,
-            (Handle::Raw(p), Some(o)) => {
-                // Freed from another stream: that stream first waits for
-                // everything the item's own stream did with it.
-                let other = &self.streams[o];
-                if !self.mix.unordered_frees {
-                    self.sim
-                        .record_event(d, self.events[it.stream], own.handle())?;
-                    self.sim
-                        .stream_wait_event(d, other.handle(), self.events[it.stream])?;
-                }
-                self.dev.free_raw(p, other)?;
-                self.totals.cross_stream_frees += 1;
-            }
+            self.totals.cross_stream_frees += 1;
+        }
+        let on = &self.streams[it.free_on.unwrap_or(it.stream)];
+        match it.h {
+            Handle::Block(b) => drop(b),
+            Handle::Peer(a) => self.peer.expect("peer items come from a peer").free(a)?,
+            Handle::Raw(p) => self.dev.free_raw(p, on)?,
         }
         self.totals
             .free_ns
