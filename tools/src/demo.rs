@@ -222,9 +222,9 @@ fn side_by_side(
     let per_step = |x: f64| x / steps.max(1) as f64;
     let table = &rt.config().driver_costs;
     let devices = rt.device_count().max(1) as f64;
-    // Memory-management calls only: the port models no events (nor
-    // `record_stream`), and the harness's own kernels and events are not
-    // the allocator's.
+    // Memory-management calls only: a trace has no `record_stream`, so
+    // the port records no events, and the harness's own kernels and
+    // events are not the allocator's.
     let mut calls = calls.clone();
     calls
         .calls

@@ -285,7 +285,20 @@ fn peers_run_the_same_traffic_through_the_pytorch_port() {
             "{p:?}"
         );
         assert!(p.peak_reserved_bytes <= o.capacity_bytes, "{p:?}");
-        assert_eq!(p.device_locks_per_op, 1.0, "{p:?}");
+        // One device lock per malloc and free, plus one per
+        // `record_stream` (PyTorch's `recordStream` takes it too).
+        assert!(
+            p.device_locks_per_op > 1.0 && p.device_locks_per_op < 1.5,
+            "{p:?}"
+        );
+        // Blocks used on other streams were freed behind events, which the
+        // next mallocs queried.
+        for call in ["cuEventRecord", "cuEventQuery"] {
+            assert!(
+                p.driver_calls.get(call).is_some_and(|&n| n > 0),
+                "{call}: {p:?}"
+            );
+        }
         assert!(p.p50_ns > 0 && p.p50_ns <= p.p99_ns && p.p99_ns <= p.p999_ns);
         assert!(p.driver_ms > 0.0 && !p.driver_calls.is_empty(), "{p:?}");
     }

@@ -11,6 +11,10 @@
 //! before. (PyTorch's device mutex is recursive; nothing here re-enters, so
 //! a plain mutex behaves the same.)
 //!
+//! With [`TorchPeer::with_events`], `record_stream` is modelled as PyTorch
+//! does it (see [`crate::trace::peers::torch_events`]): the events are
+//! real events of the given backend, recorded on the caller's streams.
+//!
 //! Invariants: an address is in exactly one shard, mapped to its device,
 //! from the end of its `alloc` to the start of its `free`; each device's
 //! port is only touched under its mutex.
@@ -21,8 +25,10 @@ use std::sync::Mutex;
 use rustc_hash::FxHashMap;
 
 use crate::trace::peers::torch::TorchStats;
-use crate::trace::peers::{DriverCalls, PeerAllocator, TorchAllocator, TorchConfig};
-use gpupool::{Error, Result};
+use crate::trace::peers::{DriverCalls, PeerAllocator, StreamEvents, TorchAllocator, TorchConfig};
+use gpupool::backend::Backend;
+use gpupool::{Error, EventHandle, Result, StreamHandle};
+use std::sync::Arc;
 
 /// PyTorch's `kNumMutexShard`.
 const SHARDS: usize = 67;
@@ -34,6 +40,31 @@ pub struct TorchPeer {
     shards: Vec<Mutex<FxHashMap<u64, usize>>>,
     /// Acquisitions of the device mutexes by `alloc` and `free`.
     device_locks: AtomicU64,
+    /// Each device's events, when `record_stream` is modelled.
+    events: Vec<BackendEvents>,
+}
+
+/// A device's events on a gpupool backend, for the port's `record_stream`.
+#[derive(Debug, Clone)]
+pub struct BackendEvents {
+    backend: Arc<dyn Backend>,
+    device: usize,
+}
+
+impl StreamEvents for BackendEvents {
+    fn create(&self) -> Result<u64> {
+        Ok(self.backend.create_event(self.device)?.raw())
+    }
+    fn record(&self, event: u64, stream: u64) -> Result<()> {
+        self.backend
+            .record_event(self.device, EventHandle(event), StreamHandle(stream))
+    }
+    fn query(&self, event: u64) -> Result<bool> {
+        self.backend.query_event(self.device, EventHandle(event))
+    }
+    fn synchronize(&self, event: u64) -> Result<()> {
+        self.backend.sync_event(self.device, EventHandle(event))
+    }
 }
 
 /// PyTorch's `twang_mix64`, which picks a pointer's shard.
@@ -66,7 +97,48 @@ impl TorchPeer {
                 .map(|_| Mutex::new(FxHashMap::default()))
                 .collect(),
             device_locks: AtomicU64::new(0),
+            events: Vec::new(),
         }
+    }
+
+    /// [`TorchPeer::new`] with `record_stream` modelled: its events are
+    /// `backend`'s, one device per port.
+    pub fn with_events(devices: usize, cfg: TorchConfig, backend: &Arc<dyn Backend>) -> Self {
+        TorchPeer {
+            events: (0..devices)
+                .map(|device| BackendEvents {
+                    backend: backend.clone(),
+                    device,
+                })
+                .collect(),
+            ..Self::new(devices, cfg)
+        }
+    }
+
+    /// `recordStream` of the block at `addr`; without events (see
+    /// [`TorchPeer::with_events`]) a no-op, as in a replay.
+    pub fn record_stream(&self, addr: u64, stream: u64) -> Result<()> {
+        if self.events.is_empty() {
+            return Ok(());
+        }
+        let device = self.device_of(addr)?;
+        self.device_locks.fetch_add(1, Relaxed);
+        self.device(device)?
+            .lock()
+            .map_err(|_| poisoned())?
+            .record_stream(addr, stream)
+    }
+
+    fn device_of(&self, addr: u64) -> Result<usize> {
+        self.shards[shard_of(addr)]
+            .lock()
+            .map_err(|_| poisoned())?
+            .get(&addr)
+            .copied()
+            .ok_or(Error::UnknownPointer {
+                ptr: addr,
+                device: 0,
+            })
     }
 
     fn device(&self, device: usize) -> Result<&Mutex<TorchAllocator>> {
@@ -79,11 +151,12 @@ impl TorchPeer {
     /// `malloc` of `size` bytes on `stream` of `device`.
     pub fn alloc(&self, device: usize, size: u64, stream: u64) -> Result<u64> {
         self.device_locks.fetch_add(1, Relaxed);
-        let addr = self
-            .device(device)?
-            .lock()
-            .map_err(|_| poisoned())?
-            .malloc(size, stream)?;
+        let mut port = self.device(device)?.lock().map_err(|_| poisoned())?;
+        let addr = match self.events.get(device) {
+            Some(ev) => port.malloc_with_events(size, stream, ev)?,
+            None => port.malloc(size, stream)?,
+        };
+        drop(port);
         self.shards[shard_of(addr)]
             .lock()
             .map_err(|_| poisoned())?
@@ -102,10 +175,11 @@ impl TorchPeer {
                 device: 0,
             })?;
         self.device_locks.fetch_add(1, Relaxed);
-        self.device(device)?
-            .lock()
-            .map_err(|_| poisoned())?
-            .free(addr)
+        let mut port = self.device(device)?.lock().map_err(|_| poisoned())?;
+        match self.events.get(device) {
+            Some(ev) => port.free_with_events(addr, ev),
+            None => port.free(addr),
+        }
     }
 
     /// Device-mutex acquisitions by `alloc` and `free` so far.

@@ -274,7 +274,7 @@ fn run_peer(
     name: &'static str,
     cfg: TorchConfig,
 ) -> Result<PeerStress> {
-    let peer = TorchPeer::new(opts.devices, cfg);
+    let peer = TorchPeer::with_events(opts.devices, cfg, rt.backend());
     let shared: Vec<DeviceShared> = (0..opts.devices).map(|_| DeviceShared::default()).collect();
     let stop = AtomicBool::new(false);
     let start = Instant::now();

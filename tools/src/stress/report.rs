@@ -75,9 +75,11 @@ pub struct DeviceStress {
 /// PyTorch's caching allocator as the replay port models it, behind
 /// PyTorch's locks (`bench::torch_peer`), one run after gpupool's, for
 /// the same duration, on the same streams. The harness's own stream
-/// events are the same; the port frees at once (it models no
-/// `record_stream` events, which favours it) and its addresses are
-/// simulated (no verify kernels).
+/// events are the same, and so are the blocks used on a second stream:
+/// the port frees those behind one event per such stream, queried at each
+/// `malloc` (PyTorch's `record_stream`, `trace::peers::torch_events`). Its
+/// addresses are simulated (no verify kernels, so its streams run
+/// lighter).
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct PeerStress {
     /// `torch` or `torch_expandable`.
@@ -102,7 +104,8 @@ pub struct PeerStress {
     pub ooms: u64,
     /// Refusals while the memory was not in use (as for gpupool).
     pub false_ooms: u64,
-    /// Acquisitions of a device's one allocator mutex per operation.
+    /// Acquisitions of a device's one allocator mutex per operation
+    /// (`malloc`, `free` and `recordStream` each take it).
     pub device_locks_per_op: f64,
     /// The port's driver calls, all devices, by CUDA driver name.
     pub driver_calls: std::collections::BTreeMap<String, u64>,

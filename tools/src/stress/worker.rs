@@ -306,8 +306,10 @@ impl<'a> Worker<'a> {
         match &it.h {
             Handle::Block(b) => b.record_stream(other),
             Handle::Raw(p) => self.dev.record_stream_raw(*p, other)?,
-            // The port frees at once (it models no record_stream events).
-            Handle::Peer(_) => {}
+            Handle::Peer(a) => self
+                .peer
+                .expect("peer items come from a peer")
+                .record_stream(*a, other.handle().raw())?,
         }
         self.totals.cross_stream_uses += 1;
         if self.verify {

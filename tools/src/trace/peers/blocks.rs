@@ -41,6 +41,10 @@ pub(super) struct Block {
     /// The pool's `get_free_blocks_call_count` when the block was last put
     /// in the pool (garbage collection ages blocks by it).
     pub gc_count_base: u64,
+    /// Other streams the allocated block was used on (`record_stream`).
+    pub stream_uses: Vec<u64>,
+    /// Events a freed block still waits for before it rejoins its pool.
+    pub event_count: u32,
 }
 
 impl Block {
@@ -57,6 +61,8 @@ impl Block {
             next: None,
             expandable: None,
             gc_count_base: 0,
+            stream_uses: Vec::new(),
+            event_count: 0,
         }
     }
 

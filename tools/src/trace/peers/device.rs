@@ -26,7 +26,7 @@ pub struct DriverCounter {
 }
 
 impl DriverCounter {
-    fn count(&mut self, call: Call, bytes: Option<u64>) {
+    pub(super) fn count(&mut self, call: Call, bytes: Option<u64>) {
         *self.calls.entry(call.name()).or_default() += 1;
         if let Some(b) = bytes {
             *self.bytes.entry(call.name()).or_default() += b;

@@ -39,11 +39,13 @@ mod device;
 pub mod recording;
 pub mod run;
 pub mod torch;
+pub mod torch_events;
 pub mod torch_expandable;
 pub mod validate;
 
 pub use device::DriverCounter;
 pub use torch::{BlockInfo, SegmentAction, SegmentEvent, SegmentInfo, TorchAllocator};
+pub use torch_events::StreamEvents;
 
 /// Driver calls by CUDA driver name (`cuMemAlloc`, `cuMemMap`, ...).
 pub type DriverCalls = BTreeMap<&'static str, u64>;

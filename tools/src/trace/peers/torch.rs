@@ -18,8 +18,11 @@
 //!   `garbage_collect_cached_blocks`, `emptyCache`.
 //! - Expandable segments ([`super::torch_expandable`]).
 //!
+//! - `record_stream` and its event-deferred frees
+//!   ([`super::torch_events`]), where the caller supplies the streams'
+//!   events (the stress peer; traces have none).
+//!
 //! Not modelled (no trace in `../shared/traces` exercises them):
-//! `record_stream` and its event-deferred frees (every free is immediate),
 //! CUDA-graph private pools, IPC, free-memory callbacks. Where PyTorch would
 //! hand an expandable block to `release_block` (which asserts it never
 //! gets one: `release_available_cached_blocks` and garbage collection with
@@ -39,6 +42,7 @@ use rustc_hash::FxHashMap;
 
 use super::blocks::{Arena, Block, BlockPool, Id};
 use super::device::SimDevice;
+use super::torch_events::StreamEvents;
 use super::torch_expandable::ExpandableSegment;
 use super::{allocation_size, DriverCalls, PeerAllocator, TorchConfig, SMALL_SIZE};
 use gpupool::{Error, Result};
@@ -189,6 +193,11 @@ pub struct TorchAllocator {
     log_segments: bool,
     segment_log: Vec<SegmentEvent>,
     pub(super) stats: TorchStats,
+    /// Freed blocks waiting on events, by the stream each was recorded on
+    /// (`cuda_events`), oldest first.
+    pub(super) cuda_events: FxHashMap<u64, std::collections::VecDeque<(u64, Id)>>,
+    /// Events no block waits on (PyTorch's `EventPool`).
+    pub(super) event_pool: Vec<u64>,
 }
 
 impl TorchAllocator {
@@ -220,6 +229,8 @@ impl TorchAllocator {
             log_segments: false,
             segment_log: Vec::new(),
             stats: TorchStats::default(),
+            cuda_events: FxHashMap::default(),
+            event_pool: Vec::new(),
         }
     }
 
@@ -373,6 +384,28 @@ impl TorchAllocator {
 
     /// `malloc`: a block of at least `orig` bytes on `stream`.
     pub fn malloc(&mut self, orig: u64, stream: u64) -> Result<u64> {
+        self.malloc_inner(orig, stream, None)
+    }
+
+    /// `malloc` in a run with `record_stream`: first `process_events`, and
+    /// `synchronize_and_free_events` before the cache is released on the
+    /// way to out of memory.
+    pub fn malloc_with_events(
+        &mut self,
+        orig: u64,
+        stream: u64,
+        events: &dyn StreamEvents,
+    ) -> Result<u64> {
+        self.process_events(events)?;
+        self.malloc_inner(orig, stream, Some(events))
+    }
+
+    fn malloc_inner(
+        &mut self,
+        orig: u64,
+        stream: u64,
+        events: Option<&dyn StreamEvents>,
+    ) -> Result<u64> {
         if orig == 0 {
             return Err(Error::InvalidSize {
                 size: 0,
@@ -390,6 +423,11 @@ impl TorchAllocator {
             block = self.alloc_block(small, stream, size, alloc_size, false);
             if block.is_none() && self.release_available_cached_blocks(small, stream, size) {
                 block = self.alloc_block(small, stream, size, alloc_size, false);
+            }
+            if block.is_none() {
+                if let Some(ev) = events {
+                    self.synchronize_and_free_events(ev)?;
+                }
             }
             if block.is_none() && self.release_cached_blocks() {
                 block = self.alloc_block(small, stream, size, alloc_size, true);
@@ -545,21 +583,48 @@ impl TorchAllocator {
     /// `free`: the block at `addr` goes back to its pool, merged with free
     /// neighbours.
     pub fn free(&mut self, addr: u64) -> Result<()> {
-        let id = self.active.remove(&addr).ok_or(Error::UnknownPointer {
+        self.free_inner(addr, None)
+    }
+
+    /// `free` of a block that may have been used on other streams: it
+    /// rejoins its pool once an event recorded on each of them completes.
+    pub fn free_with_events(&mut self, addr: u64, events: &dyn StreamEvents) -> Result<()> {
+        self.free_inner(addr, Some(events))
+    }
+
+    fn free_inner(&mut self, addr: u64, events: Option<&dyn StreamEvents>) -> Result<()> {
+        let id = self.active_id(addr).ok_or(Error::UnknownPointer {
             ptr: addr,
             device: 0,
         })?;
+        let deferred = !self.arena[id].stream_uses.is_empty();
+        if deferred && events.is_none() {
+            return Err(Error::InvalidArgument(
+                "a block used on other streams is freed behind events: use free_with_events".into(),
+            ));
+        }
+        self.active.remove(&addr);
         let b = &mut self.arena[id];
         b.allocated = false;
         b.requested = 0;
         self.stats.num_frees += 1;
         self.stats.allocated_bytes -= b.size;
-        self.free_block(id);
-        Ok(())
+        match events {
+            Some(ev) if deferred => self.insert_events(id, ev),
+            _ => {
+                self.free_block(id);
+                Ok(())
+            }
+        }
+    }
+
+    /// The block allocated at `addr`, if any.
+    pub(super) fn active_id(&self, addr: u64) -> Option<Id> {
+        self.active.get(&addr).copied()
     }
 
     /// `free_block`.
-    fn free_block(&mut self, id: Id) {
+    pub(super) fn free_block(&mut self, id: Id) {
         let (prev, next) = (self.arena[id].prev, self.arena[id].next);
         self.try_merge_blocks(id, prev);
         self.try_merge_blocks(id, next);
@@ -575,7 +640,9 @@ impl TorchAllocator {
         let Some(src) = src else { return 0 };
         let (s_alloc, s_mapped, s_small) = {
             let s = &self.arena[src];
-            (s.allocated, s.mapped, s.small)
+            // A block behind events is in no pool yet (PyTorch checks
+            // `event_count` and `stream_uses` here too).
+            (s.allocated || s.event_count > 0, s.mapped, s.small)
         };
         if s_alloc || s_mapped != self.arena[dst].mapped {
             return 0;

@@ -126,7 +126,8 @@ impl ExpandableSegment {
 
 impl TorchAllocator {
     fn allocatable(&self, id: Option<Id>) -> bool {
-        id.is_some_and(|id| !self.arena[id].allocated)
+        // As PyTorch: a block behind events is not free yet.
+        id.is_some_and(|id| !self.arena[id].allocated && self.arena[id].event_count == 0)
     }
 
     /// `find_expandable_block`: the lowest-addressed run of free and
