@@ -264,11 +264,9 @@ fn deferred_frees_become_reusable_after_the_capture() {
     );
     be.end_capture(0, cap.handle()).unwrap();
     pool.end_allocate_to_pool(1).unwrap();
+    // Made at the end (behind promises on `a` and `b`, see
+    // `pool/probes.rs`): no longer counted live, reused below.
     assert_eq!(pool.deferred_frees(), 0);
-    assert!(
-        be.counters().get(Call::EventRecord) > records,
-        "recorded at the end"
-    );
     assert_eq!(pool.stats().requested_bytes.current, 0);
     pool.settle().unwrap();
     let reserved = pool.reserved_bytes();

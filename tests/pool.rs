@@ -1161,8 +1161,9 @@ fn parked_large_ranges_change_hands_between_blocks_and_raw_pointers() {
     dev.audit().unwrap();
 }
 
-/// PyTorch's `record_stream` rule for small blocks: the free records one
-/// event, on the other stream only; once it completes the slot goes back
+/// PyTorch's `record_stream` rule for small blocks, with one event fewer:
+/// the free records none (a promise on the other stream), the first
+/// harvest records one probe there; once it completes the slot goes back
 /// to the stream that freed it (its dirty stack), never to another stream
 /// before that, and the audit accounts for it while it waits.
 #[test]
@@ -1179,11 +1180,8 @@ fn a_recorded_small_block_returns_to_its_stream_behind_one_event() {
         .unwrap();
     let records = be.counters().get(gpupool::backend::Call::EventRecord);
     drop(b);
-    assert_eq!(
-        be.counters().get(gpupool::backend::Call::EventRecord) - records,
-        1,
-        "one event, on the other stream"
-    );
+    let recorded = || be.counters().get(gpupool::backend::Call::EventRecord) - records;
+    assert_eq!(recorded(), 0, "a promise, no event");
     assert!(dev.stats().pending_bytes.current >= 4096);
     dev.audit().unwrap();
     // Neither stream gets it while the other stream's work is pending.
@@ -1194,6 +1192,9 @@ fn a_recorded_small_block_returns_to_its_stream_behind_one_event() {
         held.push(x);
     }
     dev.harvest();
+    assert_eq!(recorded(), 1, "one probe, on the other stream");
+    dev.harvest();
+    assert_eq!(recorded(), 1, "the probe in flight serves the next pass");
     assert!(held.iter().all(|x| x.ptr() != p));
     sim.sync_stream(0, s2.handle()).unwrap();
     dev.harvest();
@@ -1262,5 +1263,89 @@ fn a_returning_slot_of_a_retired_stream_waits_for_both_streams() {
     }
     assert!(found, "the slot is reusable once both streams are done");
     drop(held);
+    dev.audit().unwrap();
+}
+
+/// Frees used on another stream record no event each: one probe per
+/// stream covers all of them (PyTorch records one event per free). Small
+/// slots return to their stream, large ranges become clean, and nothing
+/// is released while the other stream's work is pending.
+#[test]
+fn one_probe_per_stream_covers_many_recorded_frees() {
+    let rt = sim_runtime_with("thread_cache=false,handover=false");
+    let dev = rt.device(0).unwrap();
+    let be = dev.backend();
+    let sim = sim_of(dev);
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    sim.stall_stream(0, s2.handle(), Duration::from_millis(300))
+        .unwrap();
+    let blocks: Vec<_> = (0..32)
+        .map(|i| {
+            let size = if i % 2 == 0 { 4096 } else { 3 * MIB as usize };
+            let b = dev.alloc(size, &s1).unwrap();
+            b.record_stream(&s2);
+            b
+        })
+        .collect();
+    let freed: Vec<u64> = blocks.iter().map(|b| b.ptr().addr()).collect();
+    let records = be.counters().get(gpupool::backend::Call::EventRecord);
+    let recorded = || be.counters().get(gpupool::backend::Call::EventRecord) - records;
+    drop(blocks);
+    assert_eq!(recorded(), 0, "32 frees, no event");
+    let pending = dev.stats().pending_bytes.current;
+    assert!(pending >= 16 * 3 * MIB, "{pending}");
+    dev.audit().unwrap();
+    assert_eq!(dev.harvest(), 0, "s2's work is pending");
+    // One probe on s2, one on s1 (the large ranges' own uses).
+    assert_eq!(recorded(), 2);
+    for _ in 0..5 {
+        assert_eq!(dev.harvest(), 0);
+    }
+    assert_eq!(recorded(), 2, "probes in flight are not recorded again");
+    assert_eq!(dev.stats().pending_bytes.current, pending);
+    sim.sync_stream(0, s2.handle()).unwrap();
+    sim.sync_stream(0, s1.handle()).unwrap();
+    assert!(dev.harvest() >= 16, "every large free is released");
+    assert_eq!(dev.stats().pending_bytes.current, 0);
+    assert_eq!(recorded(), 2);
+    // The memory is reused: the small slots by s1, the large ranges by
+    // any stream.
+    let small = dev.alloc(4096, &s1).unwrap();
+    assert!(freed.contains(&small.ptr().addr()));
+    let large = dev.alloc(3 * MIB as usize, &s2).unwrap();
+    assert!(freed.contains(&large.ptr().addr()));
+    drop((small, large));
+    dev.audit().unwrap();
+}
+
+/// A stream dropped while frees still hold promises on it records one
+/// probe as it goes, while its handle is valid; the memory comes back
+/// once that stream's work is done, with no further event.
+#[test]
+fn a_retiring_stream_covers_its_promises_with_one_probe() {
+    let rt = sim_runtime_with("thread_cache=false,handover=false");
+    let dev = rt.device(0).unwrap();
+    let be = dev.backend();
+    let sim = sim_of(dev);
+    let s1 = dev.new_stream().unwrap();
+    let s2 = dev.new_stream().unwrap();
+    let h2 = s2.handle();
+    sim.stall_stream(0, h2, Duration::from_millis(200)).unwrap();
+    let b = dev.alloc(3 * MIB as usize, &s1).unwrap();
+    b.record_stream(&s2);
+    let records = be.counters().get(gpupool::backend::Call::EventRecord);
+    drop(b);
+    drop(s2);
+    // The retirement's probe on s2 (the retirement itself records none:
+    // s2 freed nothing).
+    assert_eq!(
+        be.counters().get(gpupool::backend::Call::EventRecord) - records,
+        1
+    );
+    assert_eq!(dev.harvest(), 0, "s2's work is pending");
+    sim.sync_stream(0, h2).unwrap();
+    sim.sync_stream(0, s1.handle()).unwrap();
+    assert_eq!(dev.harvest(), 1);
+    assert_eq!(dev.stats().pending_bytes.current, 0);
     dev.audit().unwrap();
 }

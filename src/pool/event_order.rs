@@ -21,13 +21,18 @@
 //! - Events recorded elsewhere than on the stream's own handle (another
 //!   thread's per-thread default stream is recorded on the legacy one)
 //!   carry no mark: they are always queried.
+//! - A promise ([`Mark::promise`]) is the mark of an event not recorded
+//!   yet: the next one recorded on the stream completes it. Promises are
+//!   made under the order's lock and refused once the stream retired
+//!   ([`EventOrder::retire`] says whether one is still uncovered then, so
+//!   that an event is recorded while the handle is sure to be valid).
 
 use crate::error::Result;
 use crate::ptr::EventHandle;
 use parking_lot::Mutex;
 use smallvec::SmallVec;
-use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
@@ -52,6 +57,12 @@ pub(crate) struct EventOrder {
     /// When a query last found a later event of the stream complete
     /// ([`now_ns`]; 0: never).
     progressed_at: AtomicU64,
+    /// The highest promised number (written under `last`'s lock).
+    promised: AtomicU64,
+    /// No promise is made any more (written under `last`'s lock).
+    retired: AtomicBool,
+    /// When a probe was last recorded on the stream ([`now_ns`]; 0: never).
+    pub(crate) probed_at: AtomicU64,
 }
 
 /// An event's place in its stream's order.
@@ -76,6 +87,14 @@ impl EventOrder {
     pub(crate) fn progressing(&self, now: u64) -> bool {
         let t = self.progressed_at.load(Relaxed);
         t != 0 && now.saturating_sub(t) <= PROGRESS_WINDOW.as_nanos() as u64
+    }
+
+    /// The stream retires: no more promises. Whether one made earlier is
+    /// not covered by a recorded event yet (the caller records one).
+    pub(crate) fn retire(&self) -> bool {
+        let last = self.last.lock();
+        self.retired.store(true, Relaxed);
+        self.promised.load(Relaxed) > *last
     }
 
     /// Runs `record` (one event record on the stream) and numbers the event.
@@ -106,6 +125,22 @@ impl Mark {
         }
     }
 
+    /// A promise on `order`: the mark of the next event recorded there,
+    /// which completes once all work queued on the stream before now has.
+    /// `None` once the stream retired (record an event instead).
+    pub(crate) fn promise(order: &Arc<EventOrder>) -> Option<Mark> {
+        let last = order.last.lock();
+        if order.retired.load(Relaxed) {
+            return None;
+        }
+        let seq = *last + 1;
+        order.promised.fetch_max(seq, Relaxed);
+        Some(Mark {
+            order: order.clone(),
+            seq,
+        })
+    }
+
     /// Whether the event is known complete (no query needed).
     pub(crate) fn known_done(&self) -> bool {
         self.order.done.load(Acquire) >= self.seq
@@ -129,6 +164,9 @@ pub(crate) struct Progress {
     /// An unmarked event was found pending: its completion says nothing
     /// about any stream's order, so only a full pass can notice it.
     pub(crate) unmarked_pending: bool,
+    /// The pass serves an allocation that needs memory now: it records
+    /// probes without waiting for their interval (see `probes.rs`).
+    pub(crate) urgent: bool,
 }
 
 impl Progress {

@@ -387,6 +387,7 @@ impl PoolShared {
                     events: Vec::new(),
                     marks: Vec::new(),
                     unrecorded: vec![stream.core().clone()],
+                    promised: Default::default(),
                 },
             };
             h.quarantine.push((waits, q));
@@ -408,6 +409,7 @@ impl PoolShared {
                     events: Vec::new(),
                     marks: Vec::new(),
                     unrecorded: vec![stream.core().clone()],
+                    promised: Default::default(),
                 },
             );
             self.pending.push(Pending::Group { id });
@@ -432,19 +434,12 @@ impl PoolShared {
                 .collect()
         };
         for (id, w) in groups {
-            let synced = w.events.iter().all(|&e| self.host_sync_event(e).is_ok())
-                && w.unrecorded
-                    .iter()
-                    .all(|s| s.is_dead() || self.host_sync_stream(s.handle).is_ok());
-            if !synced {
+            if self.host_sync_waits(&w).is_err() {
                 continue;
             }
             let mut h = self.heap.lock();
             // Still the same group (not completed and replaced meanwhile).
-            let same = h
-                .group_events
-                .get(&id)
-                .is_some_and(|now| now.events == w.events);
+            let same = h.group_events.get(&id).is_some_and(|now| now.same_as(&w));
             if same {
                 h.heap.complete_pending(id);
                 if let Some(w) = h.group_events.remove(&id) {
@@ -462,14 +457,7 @@ impl PoolShared {
     fn sync_groups(&self, h: &HeapState, ids: &[u32]) -> Result<()> {
         for id in ids {
             if let Some(w) = h.group_events.get(id) {
-                for &e in &w.events {
-                    self.host_sync_event(e)?;
-                }
-                for s in &w.unrecorded {
-                    if !s.is_dead() {
-                        self.host_sync_stream(s.handle)?;
-                    }
-                }
+                self.host_sync_waits(w)?;
             }
         }
         Ok(())

@@ -67,7 +67,7 @@ impl DevicePool {
             return MaintainReport::default();
         }
         let flushed = self.shared.flush_streams_if_grown();
-        let harvested = self.shared.harvest();
+        let harvested = self.shared.harvest_background();
         // The per-thread counter shards only: `stats()` would also walk
         // the heap under its lock, every tick, stalling allocations.
         let (_, _, allocs, frees) = self.shared.counters.totals();

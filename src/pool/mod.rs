@@ -44,6 +44,7 @@ mod peer;
 mod pending;
 mod plan;
 mod private_pool;
+mod probes;
 mod raw;
 mod reclaim;
 mod release;
@@ -85,6 +86,7 @@ use pending::{Pending, PendingList, Waits};
 use rustc_hash::FxHashMap as HashMap;
 use size_class::round_large;
 use small::Slabs;
+use smallvec::SmallVec;
 use stats::Counters;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
@@ -125,6 +127,8 @@ pub(crate) struct PoolShared {
     /// Small slots freed after uses on other streams, on their way back to
     /// the stream that freed them (see `returning.rs`).
     returning: returning::Returning,
+    /// Events recorded to complete promises (see `probes.rs`).
+    probes: Mutex<Vec<probes::Probe>>,
     /// Slab base address -> slab id, for raw frees.
     slab_index: slab_index::SlabIndex,
     pending: PendingList<Pending>,
@@ -256,6 +260,7 @@ impl DevicePool {
             }),
             by_stream: stream_large::StreamLarge::new(STREAM_SLOTS),
             returning: returning::Returning::new(STREAM_SLOTS),
+            probes: Mutex::new(Vec::new()),
             slab_index: slab_index::SlabIndex::new(reservation),
             pending: PendingList::new(),
             kept: reclaim::KeptRecords::default(),
@@ -845,7 +850,7 @@ impl PoolShared {
                 // the heap lock: no driver call runs under it. The block is
                 // still allocated until the free below publishes it.
                 let mut waits = (!own_stream_only && tagged != Some(true))
-                    .then(|| self.record_events(stream.core(), extra));
+                    .then(|| self.free_waits(stream.core(), extra));
                 let mut h = self.heap.lock();
                 match slot {
                     // Paused: unmapped after a host wait, no use remains.
@@ -881,6 +886,15 @@ impl PoolShared {
         let mut w = self.record_events_on(std::slice::from_ref(own));
         w.absorb(self.record_events_on(extra));
         w
+    }
+
+    /// What a free used on `own` and `extra` waits for: promises where
+    /// the streams take them (see `probes.rs`), events elsewhere.
+    fn free_waits(&self, own: &Arc<StreamCore>, extra: &[Arc<StreamCore>]) -> Waits {
+        let mut streams: SmallVec<[&Arc<StreamCore>; 3]> = SmallVec::new();
+        streams.push(own);
+        streams.extend(extra.iter());
+        self.waits_on(&streams)
     }
 
     /// Records one pooled event on each of `streams` (see
@@ -954,7 +968,8 @@ impl PoolShared {
         extra: &[Arc<StreamCore>],
     ) {
         let bytes = self.slabs.classes.size_of(class);
-        let mut waits = self.record_events_on(extra);
+        let extra: SmallVec<[&Arc<StreamCore>; 2]> = extra.iter().collect();
+        let mut waits = self.waits_on(&extra);
         self.counters.pending_slot_bytes.fetch_add(bytes, Relaxed);
         self.counters.pending_frees.fetch_add(1, Relaxed);
         if waits.unrecorded.is_empty() {
@@ -969,7 +984,7 @@ impl PoolShared {
                 Err(e) => waits = e.waits,
             }
         }
-        waits.absorb(self.record_events_on(std::slice::from_ref(own)));
+        waits.absorb(self.waits_on(&[own]));
         self.pending.push(Pending::Slots {
             class: class as u16,
             slots: vec![idx],
@@ -986,7 +1001,7 @@ impl PoolShared {
         extra: &[Arc<StreamCore>],
     ) {
         let bytes = slots.len() as u64 * self.slabs.classes.size_of(class);
-        let waits = self.record_events(own, extra);
+        let waits = self.free_waits(own, extra);
         self.counters.pending_slot_bytes.fetch_add(bytes, Relaxed);
         self.counters.pending_frees.fetch_add(1, Relaxed);
         self.pending.push(Pending::Slots {

@@ -11,6 +11,7 @@ use super::event_order::{EventOrder, Mark};
 use super::sync::{AtomicPtr, AtomicUsize};
 use super::StreamCore;
 use crate::ptr::EventHandle;
+use smallvec::SmallVec;
 use std::ptr;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::sync::Arc;
@@ -80,6 +81,18 @@ impl Pending {
     }
 }
 
+/// A use on a stream that no event covers yet: done once the event
+/// numbered `mark` on `core`'s stream, or a later one, completed (see
+/// [`Mark::promise`] and `returning.rs` for the probes that complete it).
+#[derive(Debug, Clone)]
+pub(crate) struct Promise {
+    pub core: Arc<StreamCore>,
+    pub mark: Mark,
+}
+
+/// The promises of one free (usually one or two streams).
+pub(crate) type Promises = SmallVec<[Promise; 2]>;
+
 /// What a pending record waits for.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Waits {
@@ -93,6 +106,10 @@ pub(crate) struct Waits {
     /// stream (in `trim`) can release the memory. Held, so that the handle
     /// stays valid until then.
     pub unrecorded: Vec<Arc<StreamCore>>,
+    /// Uses on streams where no event was recorded for them yet: a probe
+    /// recorded later there covers them, or an event recorded when a
+    /// stream must wait on them (handover).
+    pub promised: Promises,
 }
 
 impl Waits {
@@ -107,6 +124,18 @@ impl Waits {
         self.events.extend(other.events);
         self.marks.extend(other.marks);
         self.unrecorded.extend(other.unrecorded);
+        self.promised.extend(other.promised);
+    }
+
+    /// Whether the waits hold the same events and promises.
+    pub(crate) fn same_as(&self, other: &Waits) -> bool {
+        self.events == other.events
+            && self.promised.len() == other.promised.len()
+            && self
+                .promised
+                .iter()
+                .zip(&other.promised)
+                .all(|(a, b)| a.mark == b.mark)
     }
 
     /// Whether new work on the stream numbered by `order` is already
@@ -120,6 +149,10 @@ impl Waits {
                 m.as_ref()
                     .is_some_and(|m| m.known_done() || Arc::ptr_eq(&m.order, order))
             })
+            && self
+                .promised
+                .iter()
+                .all(|p| p.mark.known_done() || Arc::ptr_eq(&p.mark.order, order))
     }
 
     /// Whether the stream numbered by `order` may wait on these uses
@@ -133,6 +166,10 @@ impl Waits {
                 m.as_ref().is_some_and(|m| {
                     m.known_done() || Arc::ptr_eq(&m.order, order) || m.order.progressing(now)
                 })
+            })
+            && self.promised.iter().all(|p| {
+                let m = &p.mark;
+                m.known_done() || Arc::ptr_eq(&m.order, order) || m.order.progressing(now)
             })
     }
 

@@ -27,7 +27,7 @@ impl PoolShared {
         if !w.unrecorded.is_empty() {
             return false;
         }
-        w.events.iter().enumerate().all(|(i, &e)| {
+        let events_done = w.events.iter().enumerate().all(|(i, &e)| {
             let mark = w.mark(i);
             if mark.is_some_and(Mark::known_done) {
                 return true;
@@ -43,7 +43,8 @@ impl PoolShared {
                 None => {}
             }
             done
-        })
+        });
+        events_done && w.promised.iter().all(|p| self.promise_done_in(p, progress))
     }
 
     /// Settles the marked events of `records` stream by stream.
@@ -103,6 +104,27 @@ impl PoolShared {
             self.outside_capture(|| self.backend.stream_wait_event(self.dev, stream.handle(), e))
                 .ok_or_else(|| self.capture_error("a handover"))??;
         }
+        // A promise is waited on through an event recorded now on its
+        // stream (after every use it stands for), which then serves as
+        // that stream's probe.
+        for p in &w.promised {
+            if p.mark.known_done() || Arc::ptr_eq(&p.mark.order, order) {
+                continue;
+            }
+            let (e, mark) = self.record_on(&p.core)?;
+            let waited = self
+                .outside_capture(|| self.backend.stream_wait_event(self.dev, stream.handle(), e))
+                .ok_or_else(|| self.capture_error("a handover"));
+            match mark {
+                Some(mark) => self
+                    .probes
+                    .lock()
+                    .push(super::probes::Probe { ev: e, mark }),
+                // A queued wait keeps the event's state: it can be reused.
+                None => self.event_pool.lock().push(e),
+            }
+            waited??;
+        }
         Ok(())
     }
 
@@ -116,7 +138,16 @@ impl PoolShared {
         if self.capture.underway() {
             return 0;
         }
-        self.harvest_with(self.harvest_gate.lock())
+        self.harvest_with(self.harvest_gate.lock(), true)
+    }
+
+    /// [`PoolShared::harvest`] for the maintenance step: promises get
+    /// probes at most once per interval (see `probes.rs`).
+    pub(super) fn harvest_background(&self) -> usize {
+        if self.capture.underway() {
+            return 0;
+        }
+        self.harvest_with(self.harvest_gate.lock(), false)
     }
 
     /// [`PoolShared::harvest`] unless another thread is harvesting (then
@@ -127,12 +158,18 @@ impl PoolShared {
             return 0;
         }
         match self.harvest_gate.try_lock() {
-            Some(gate) => self.harvest_with(gate),
+            Some(gate) => self.harvest_with(gate, true),
             None => 0,
         }
     }
 
-    fn harvest_with(&self, mut gate: parking_lot::MutexGuard<'_, HarvestGate>) -> usize {
+    /// A harvest for an allocation's slow path (`urgent`: its promises
+    /// get probes at once) or for the maintenance step.
+    fn harvest_with(
+        &self,
+        mut gate: parking_lot::MutexGuard<'_, HarvestGate>,
+        urgent: bool,
+    ) -> usize {
         let mut released = self.harvest_quarantine(&mut Progress::default());
         released += self.settle_all_returning();
         if self.no_pending() {
@@ -141,6 +178,7 @@ impl PoolShared {
         self.counters.harvests.fetch_add(1, Relaxed);
         let epoch = self.kept.epoch();
         let mut progress = Progress::default();
+        progress.urgent = urgent;
         let mut records = self.pending.take_all();
         if gate.kept_unchanged(epoch, |e| self.event_done(e)) {
             // What the kept records wait for is pending: the pass starts
@@ -519,17 +557,7 @@ impl PoolShared {
     /// Blocks until every pending record's uses completed (trim and teardown only).
     pub(super) fn sync_pending(&self) -> Result<()> {
         let records = self.take_pending_records();
-        let sync = |w: &Waits| -> Result<()> {
-            for &e in &w.events {
-                self.host_sync_event(e)?;
-            }
-            for s in &w.unrecorded {
-                if !s.is_dead() {
-                    self.host_sync_stream(s.handle)?;
-                }
-            }
-            Ok(())
-        };
+        let sync = |w: &Waits| self.host_sync_waits(w);
         let mut result = Ok(());
         for p in records {
             let r = match &p {
@@ -581,6 +609,7 @@ impl PoolShared {
                 bytes,
             } => {
                 waits.unrecorded.clear();
+                waits.promised.clear();
                 Pending::Slots {
                     class,
                     slots,
@@ -594,6 +623,7 @@ impl PoolShared {
                 bytes,
             } => {
                 waits.unrecorded.clear();
+                waits.promised.clear();
                 Pending::Classes {
                     parts,
                     waits,
@@ -603,6 +633,7 @@ impl PoolShared {
             Pending::Group { id } => {
                 if let Some(w) = heap.lock().group_events.get_mut(&id) {
                     w.unrecorded.clear();
+                    w.promised.clear();
                 }
                 Pending::Group { id }
             }

@@ -1,9 +1,10 @@
 //! Small slots on their way back to the stream that freed them, after
 //! uses on other streams (`record_stream`): PyTorch's rule.
 //!
-//! A slot used on streams besides its own is freed with one event on each
-//! of those other streams and none on its own: its own stream's later
-//! work is ordered after its own earlier uses already. Once those events
+//! A slot used on streams besides its own is freed behind those other
+//! streams' uses (a promise on each, see `probes.rs`) and none on its
+//! own: its own stream's later work is ordered after its own earlier
+//! uses already. Once those events
 //! complete the slot goes back to its stream's dirty stack (lock-free),
 //! where that stream reuses it at once, or to the clean stack when an
 //! event its stream recorded after the free is known complete too. The
@@ -26,8 +27,8 @@
 //!    retiring stream leaves nothing on its dirty stacks behind it.
 //! 3. A queue's `count` is written under its lock, after each change, for
 //!    readers that do not take it.
-//! 4. Every entry's waits are recorded events (a free with an unrecorded
-//!    stream takes the general path), none on the owner stream.
+//! 4. Every entry's waits are recorded events or promises (a free with an
+//!    unrecorded stream takes the general path), none on the owner stream.
 
 use super::event_order::Mark;
 use super::pending::Waits;
@@ -79,9 +80,9 @@ impl Returning {
     }
 
     /// Queues `e`, freed on `slot`; `Err(e)` if the slot has no queue.
-    pub(crate) fn push(&self, slot: u16, e: Entry) -> Result<(), Entry> {
+    pub(crate) fn push(&self, slot: u16, e: Entry) -> Result<(), Box<Entry>> {
         let Some(q) = self.queues.get(slot as usize) else {
-            return Err(e);
+            return Err(Box::new(e));
         };
         let mut entries = q.entries.lock();
         entries.push_back(e);
@@ -175,6 +176,8 @@ impl PoolShared {
         if !self.returning.has(slot) || self.capture.underway() {
             return false;
         }
+        // Not urgent: a miss has the slow path, and misses come often;
+        // the stream's probes follow the interval (see `probes.rs`).
         let done = self
             .returning
             .settle(slot, |w| self.waits_done(w), |s| self.give_back(slot, s));
@@ -187,6 +190,8 @@ impl PoolShared {
 
     /// [`PoolShared::settle_returning`] for every slot (a harvest): how
     /// many slots were given back.
+    /// Not urgent (see `probes.rs`): a returning slot is its own
+    /// stream's, which settles it when its stacks miss.
     pub(super) fn settle_all_returning(&self) -> usize {
         if self.returning.is_empty() || self.capture.underway() {
             return 0;

@@ -308,6 +308,11 @@ impl fmt::Debug for Stream {
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
+        // Promises on this stream are covered while its handle is valid
+        // (see `probes.rs`).
+        if self.core.order.retire() && !self.core.is_dead() {
+            self.pool.record_probe(&self.core);
+        }
         if let Some(s) = self.slot {
             // This thread's magazine of the stream first: into the dirty
             // stacks that the retirement flushes.

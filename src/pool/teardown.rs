@@ -43,15 +43,14 @@ impl PoolShared {
         // Slots returning to live streams wait on other streams' events,
         // which may belong to streams already gone.
         for e in self.returning.drain_all() {
-            for &ev in &e.waits.events {
-                let _ = self.host_sync_event(ev);
-            }
+            let _ = self.host_sync_waits(&e.waits);
             self.recycle_events(e.waits);
             self.counters.pending_slot_bytes.fetch_sub(
                 self.slabs.classes.size_of(e.class as usize),
                 std::sync::atomic::Ordering::Relaxed,
             );
         }
+        self.drain_probes();
         self.plan_teardown();
         let recorded = std::mem::take(&mut *self.recorded_streams.lock());
         self.recorded_entries

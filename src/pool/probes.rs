@@ -1,0 +1,227 @@
+//! Promises and probes: a free that must wait for a stream's uses records
+//! no event there; one event per stream, a probe, later covers every such
+//! free at once.
+//!
+//! A free used on streams (`record_stream`) must not be reused by another
+//! stream before those streams' uses complete. PyTorch records one event
+//! per stream at every such free. Here the free takes a *promise* on each
+//! ordinary stream instead ([`Mark::promise`]): the number the stream's
+//! next recorded event will get. Every event recorded on the stream after
+//! the free comes after the free's uses there, so the first one recorded
+//! and found complete completes the promise, and every other promise made
+//! on that stream before it.
+//!
+//! Who records: a pass that finds a promise not known done (a harvest, a
+//! stream settling its returning slots) queries the stream's probes in
+//! flight and, when there is none, records one: at once in a pass for an
+//! allocation's slow path (it needs the memory now), else only if the
+//! last one was recorded at least [`PROBE_INTERVAL`] ago (maintenance,
+//! settling). One probe in flight per stream serves every promise made
+//! before it: a stream many frees touch costs one event per round trip,
+//! not one per free. A stream that must wait on a
+//! promise (a handover) records an event on the promised stream at once
+//! and waits on it; that event joins the probes. The host paths (trim,
+//! the way to out of memory, teardown) synchronize the promised stream.
+//!
+//! A per-thread default stream of another thread cannot be recorded on
+//! from every thread, a retired stream takes no promise (its handle may
+//! go), and a dead one none either: those frees record their events at
+//! once, as before. A retiring stream with an uncovered promise records a
+//! probe while its handle is valid (`StreamInner`'s drop).
+//!
+//! Invariants:
+//! 1. A promise is complete only when an event numbered at or after its
+//!    mark on its stream was found complete (`Mark::completed`).
+//! 2. A probe is in `probes` from its record until a query finds it
+//!    complete or the teardown; its event is in no other waits.
+//! 3. No driver call runs under the probes' lock.
+
+use super::event_order::{now_ns, Mark, Progress};
+use super::pending::{Promise, Promises, Waits};
+use super::{PoolShared, StreamCore};
+use crate::ptr::EventHandle;
+use smallvec::SmallVec;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Least time between two probes recorded on one stream for promises
+/// (handovers record at once): at most a few thousand events a second per
+/// stream, and memory behind a promise waits at most this long for its
+/// probe.
+pub(crate) const PROBE_INTERVAL: Duration = Duration::from_micros(500);
+
+/// An event recorded on a stream to complete the promises made there.
+#[derive(Debug)]
+pub(crate) struct Probe {
+    pub ev: EventHandle,
+    pub mark: Mark,
+}
+
+impl PoolShared {
+    /// What a free waits for on `streams`: a promise on each stream that
+    /// can take one, an event on the others.
+    pub(super) fn waits_on(&self, streams: &[&Arc<StreamCore>]) -> Waits {
+        let mut promised = Promises::new();
+        let mut direct: SmallVec<[Arc<StreamCore>; 2]> = SmallVec::new();
+        for &c in streams {
+            let mark = (c.thread.is_none() && !c.is_dead())
+                .then(|| Mark::promise(&c.order))
+                .flatten();
+            match mark {
+                Some(mark) => promised.push(Promise {
+                    core: c.clone(),
+                    mark,
+                }),
+                None => direct.push(c.clone()),
+            }
+        }
+        let mut w = self.record_events_on(&direct);
+        w.promised = promised;
+        w
+    }
+
+    /// Whether promise `p` is known done, within a pass that learned
+    /// `progress`. If not: queries its stream's probes in flight, records
+    /// one when none is and the interval has passed, and notes in
+    /// `progress` what the next pass must look at.
+    pub(super) fn promise_done_in(&self, p: &Promise, progress: &mut Progress) -> bool {
+        if p.mark.known_done() {
+            return true;
+        }
+        if progress.known_pending(&p.mark) {
+            return false;
+        }
+        // Twice at most: a probe recorded in the first round is queried
+        // in the second (an idle stream completes the promise at once).
+        for round in 0..2 {
+            let in_flight = self.query_probes(&p.mark);
+            if p.mark.known_done() {
+                return true;
+            }
+            match in_flight {
+                Some((m, ev)) if m.seq >= p.mark.seq => {
+                    progress.note_pending(&m, ev);
+                    return false;
+                }
+                // An older probe is in flight: the next one once it is done.
+                Some(_) => break,
+                None => {
+                    let due = progress.urgent
+                        || now_ns().saturating_sub(p.mark.order.probed_at.load(Relaxed))
+                            >= PROBE_INTERVAL.as_nanos() as u64;
+                    if round == 1 || !due || self.capture.underway() {
+                        break;
+                    }
+                    self.record_probe(&p.core);
+                }
+            }
+        }
+        // Nothing in flight covers it: the next pass looks again.
+        progress.unmarked_pending = true;
+        false
+    }
+
+    /// Queries the probes in flight on `m`'s stream, newest first (one
+    /// found complete completes the older ones), outside the probes' lock;
+    /// pools the events of those done. Returns the newest still in flight.
+    fn query_probes(&self, m: &Mark) -> Option<(Mark, EventHandle)> {
+        let mut mine: SmallVec<[(Mark, EventHandle); 2]> = self
+            .probes
+            .lock()
+            .iter()
+            .filter(|p| Arc::ptr_eq(&p.mark.order, &m.order))
+            .map(|p| (p.mark.clone(), p.ev))
+            .collect();
+        if mine.is_empty() {
+            return None;
+        }
+        mine.sort_unstable_by_key(|(pm, _)| std::cmp::Reverse(pm.seq));
+        let mut in_flight = None;
+        for (pm, ev) in mine {
+            if pm.known_done() || self.event_done(ev) {
+                pm.completed();
+                break;
+            }
+            if in_flight.is_none() {
+                in_flight = Some((pm, ev));
+            }
+        }
+        let mut done = SmallVec::<[EventHandle; 2]>::new();
+        self.probes.lock().retain(|p| {
+            let keep = !p.mark.known_done();
+            if !keep {
+                done.push(p.ev);
+            }
+            keep
+        });
+        self.event_pool.lock().extend(done);
+        in_flight
+    }
+
+    /// Records a probe on `core`'s stream; a failed record is retried by a
+    /// later pass (the promises wait).
+    pub(super) fn record_probe(&self, core: &Arc<StreamCore>) {
+        core.order.probed_at.store(now_ns(), Relaxed);
+        match self.record_on(core) {
+            Ok((ev, Some(mark))) => self.probes.lock().push(Probe { ev, mark }),
+            // Recorded on the legacy stream: says nothing of this order.
+            Ok((ev, None)) => self.event_pool.lock().push(ev),
+            Err(e) => tracing::warn!(device = self.dev, "recording a probe failed: {e}"),
+        }
+    }
+
+    /// Blocks the host until every use `w` waits for completed (trim, the
+    /// way to out of memory, teardown).
+    pub(super) fn host_sync_waits(&self, w: &Waits) -> crate::error::Result<()> {
+        for &e in &w.events {
+            self.host_sync_event(e)?;
+        }
+        for s in &w.unrecorded {
+            if !s.is_dead() {
+                self.host_sync_stream(s.handle)?;
+            }
+        }
+        for p in &w.promised {
+            self.host_complete(p)?;
+        }
+        Ok(())
+    }
+
+    /// Blocks the host until promise `p` is done: on a probe that covers
+    /// it (a retired stream's handle may be gone; its retirement recorded
+    /// one), else on one recorded now.
+    fn host_complete(&self, p: &Promise) -> crate::error::Result<()> {
+        let mut recorded = false;
+        for _ in 0..3 {
+            let in_flight = self.query_probes(&p.mark);
+            if p.mark.known_done() || p.core.is_dead() {
+                return Ok(());
+            }
+            match in_flight {
+                Some((m, ev)) if m.seq >= p.mark.seq => {
+                    self.host_sync_event(ev)?;
+                    m.completed();
+                    return Ok(());
+                }
+                // An older one: done after this wait; look again.
+                Some((_, ev)) => self.host_sync_event(ev)?,
+                None if !recorded => {
+                    self.record_probe(&p.core);
+                    recorded = true;
+                }
+                None => break,
+            }
+        }
+        // No probe could be recorded: the stream itself.
+        self.host_sync_stream(p.core.handle)
+    }
+
+    /// Teardown: every probe's event waited for and pooled.
+    pub(super) fn drain_probes(&self) {
+        for probe in std::mem::take(&mut *self.probes.lock()) {
+            let _ = self.host_sync_event(probe.ev);
+            self.event_pool.lock().push(probe.ev);
+        }
+    }
+}
