@@ -48,6 +48,9 @@ pub struct PoolConfig {
     /// instead; 0: always steal while stealing serves. See
     /// `pool/heap/stitch.rs`.
     pub stitch_budget: f64,
+    /// Least time between two probes on one stream for `record_stream`'d
+    /// frees, outside an allocation's slow path (see `pool/probes.rs`).
+    pub probe_interval: Duration,
     /// Start an idle-time compaction pass after this long without traffic
     /// (`None`: never automatically).
     pub idle: Option<Duration>,
@@ -95,6 +98,7 @@ impl Default for PoolConfig {
             handover: true,
             thread_cache: true,
             stitch_budget: 0.0,
+            probe_interval: Duration::from_micros(500),
             idle: None,
             compact_max_bytes: 256 << 20,
             compact_max_blocks: 4096,
@@ -153,6 +157,10 @@ impl PoolConfig {
         (
             "stitch_budget",
             "granules stitched per granule held before growing instead (default 0: always stitch)",
+        ),
+        (
+            "probe_interval_us",
+            "least microseconds between two probes on a stream for record_stream'd frees (default 500)",
         ),
         (
             "handover",
@@ -278,6 +286,9 @@ impl PoolConfig {
                 }
                 "handover" => c.handover = parse_bool(value).map_err(bad)?,
                 "stitch_budget" => c.stitch_budget = parse_non_negative(value).map_err(bad)?,
+                "probe_interval_us" => {
+                    c.probe_interval = Duration::from_micros(parse_u64(value).map_err(bad)?)
+                }
                 "thread_cache" => c.thread_cache = parse_bool(value).map_err(bad)?,
                 "idle_ms" => {
                     let ms = parse_u64(value).map_err(bad)?;

@@ -11,17 +11,23 @@
 //! and found complete completes the promise, and every other promise made
 //! on that stream before it.
 //!
-//! Who records: a pass that finds a promise not known done (a harvest, a
-//! stream settling its returning slots) queries the stream's probes in
-//! flight and, when there is none, records one: at once in a pass for an
-//! allocation's slow path (it needs the memory now), else only if the
-//! last one was recorded at least [`PROBE_INTERVAL`] ago (maintenance,
-//! settling). One probe in flight per stream serves every promise made
-//! before it: a stream many frees touch costs one event per round trip,
-//! not one per free. A stream that must wait on a
-//! promise (a handover) records an event on the promised stream at once
-//! and waits on it; that event joins the probes. The host paths (trim,
-//! the way to out of memory, teardown) synchronize the promised stream.
+//! Who records, at most one probe per stream per *probe interval*
+//! (`PoolConfig::probe_interval`, 500 µs) outside an allocation's slow
+//! path:
+//! - the free itself, when its stream had none for an interval (a quiet
+//!   stream's probe then completes as early as PyTorch's event would, and
+//!   its completion is the evidence that the stream progresses);
+//! - a pass that finds a promise not known done (a harvest, a stream
+//!   settling its returning slots) and no probe in flight that covers it:
+//!   at once for an allocation's slow path (it needs the memory now), else
+//!   once the interval has passed;
+//! - a handover that must wait on a promise: it waits on the oldest probe
+//!   covering it, or records an event there now, which joins the probes;
+//! - the host paths (trim, the way to out of memory, teardown) wait on the
+//!   covering probe, or record one and wait.
+//!
+//! A stream that many frees touch costs one event per interval or round
+//! trip, not one per free.
 //!
 //! A per-thread default stream of another thread cannot be recorded on
 //! from every thread, a retired stream takes no promise (its handle may
@@ -43,13 +49,6 @@ use crate::ptr::EventHandle;
 use smallvec::SmallVec;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use std::time::Duration;
-
-/// Least time between two probes recorded on one stream for promises
-/// (handovers record at once): at most a few thousand events a second per
-/// stream, and memory behind a promise waits at most this long for its
-/// probe.
-pub(crate) const PROBE_INTERVAL: Duration = Duration::from_micros(500);
 
 /// An event recorded on a stream to complete the promises made there.
 #[derive(Debug)]
@@ -59,6 +58,14 @@ pub(crate) struct Probe {
 }
 
 impl PoolShared {
+    /// Whether a stream whose last probe was recorded at `last` (0: never)
+    /// may get another at `now` outside an allocation's slow path: at most
+    /// a few thousand events a second per stream, and memory behind a
+    /// promise waits about the interval at most for its probe.
+    fn probe_due(&self, last: u64, now: u64) -> bool {
+        last == 0 || now.saturating_sub(last) >= self.cfg.probe_interval.as_nanos() as u64
+    }
+
     /// What a free waits for on `streams`: a promise on each stream that
     /// can take one, an event on the others.
     pub(super) fn waits_on(&self, streams: &[&Arc<StreamCore>]) -> Waits {
@@ -74,6 +81,22 @@ impl PoolShared {
                     mark,
                 }),
                 None => direct.push(c.clone()),
+            }
+        }
+        // A stream quiet for an interval gets its probe now, at the free
+        // (as PyTorch's event would be): it completes as early, and it is
+        // the evidence that the stream progresses (`drains_soon`).
+        let now = now_ns();
+        for p in &promised {
+            let order = &p.mark.order;
+            let last = order.probed_at.load(Relaxed);
+            if self.probe_due(last, now)
+                && order
+                    .probed_at
+                    .compare_exchange(last, now, Relaxed, Relaxed)
+                    .is_ok()
+            {
+                self.record_probe(&p.core);
             }
         }
         let mut w = self.record_events_on(&direct);
@@ -100,16 +123,16 @@ impl PoolShared {
                 return true;
             }
             match in_flight {
-                Some((m, ev)) if m.seq >= p.mark.seq => {
+                // One that covers it, or an older one (the next probe is
+                // recorded once it is done): nothing changes before it
+                // completes, which the next pass asks first.
+                Some((m, ev)) => {
                     progress.note_pending(&m, ev);
                     return false;
                 }
-                // An older probe is in flight: the next one once it is done.
-                Some(_) => break,
                 None => {
                     let due = progress.urgent
-                        || now_ns().saturating_sub(p.mark.order.probed_at.load(Relaxed))
-                            >= PROBE_INTERVAL.as_nanos() as u64;
+                        || self.probe_due(p.mark.order.probed_at.load(Relaxed), now_ns());
                     if round == 1 || !due || self.capture.underway() {
                         break;
                     }
@@ -157,6 +180,18 @@ impl PoolShared {
         });
         self.event_pool.lock().extend(done);
         in_flight
+    }
+
+    /// The event of the oldest probe in flight that covers mark `m`, for
+    /// a stream to wait on. (Should it complete and be reused meanwhile,
+    /// the wait only waits longer than it must.)
+    pub(super) fn covering_probe(&self, m: &Mark) -> Option<EventHandle> {
+        self.probes
+            .lock()
+            .iter()
+            .filter(|p| Arc::ptr_eq(&p.mark.order, &m.order) && p.mark.seq >= m.seq)
+            .min_by_key(|p| p.mark.seq)
+            .map(|p| p.ev)
     }
 
     /// Records a probe on `core`'s stream; a failed record is retried by a

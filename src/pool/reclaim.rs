@@ -82,6 +82,14 @@ impl PoolShared {
         self.waits_done_in(w, &mut Progress::default())
     }
 
+    /// [`PoolShared::waits_done`] in a pass that may be `urgent` (its
+    /// promises get probes at once, see `probes.rs`).
+    pub(super) fn waits_done_now(&self, w: &Waits, urgent: bool) -> bool {
+        let mut progress = Progress::default();
+        progress.urgent = urgent;
+        self.waits_done_in(w, &mut progress)
+    }
+
     pub(super) fn recycle_events(&self, w: Waits) {
         for e in w.events {
             self.event_pool.lock().push(e);
@@ -104,11 +112,19 @@ impl PoolShared {
             self.outside_capture(|| self.backend.stream_wait_event(self.dev, stream.handle(), e))
                 .ok_or_else(|| self.capture_error("a handover"))??;
         }
-        // A promise is waited on through an event recorded now on its
-        // stream (after every use it stands for), which then serves as
-        // that stream's probe.
+        // A promise is waited on through the oldest probe that covers it
+        // (recorded soon after the free, it completes as early as the
+        // free's own event would), else an event recorded now on its
+        // stream, which then serves as that stream's probe.
         for p in &w.promised {
             if p.mark.known_done() || Arc::ptr_eq(&p.mark.order, order) {
+                continue;
+            }
+            if let Some(e) = self.covering_probe(&p.mark) {
+                self.outside_capture(|| {
+                    self.backend.stream_wait_event(self.dev, stream.handle(), e)
+                })
+                .ok_or_else(|| self.capture_error("a handover"))??;
                 continue;
             }
             let (e, mark) = self.record_on(&p.core)?;
@@ -138,7 +154,7 @@ impl PoolShared {
         if self.capture.underway() {
             return 0;
         }
-        self.harvest_with(self.harvest_gate.lock(), true)
+        self.harvest_with(self.harvest_gate.lock(), true, true)
     }
 
     /// [`PoolShared::harvest`] for the maintenance step: promises get
@@ -147,7 +163,7 @@ impl PoolShared {
         if self.capture.underway() {
             return 0;
         }
-        self.harvest_with(self.harvest_gate.lock(), false)
+        self.harvest_with(self.harvest_gate.lock(), false, false)
     }
 
     /// [`PoolShared::harvest`] unless another thread is harvesting (then
@@ -158,20 +174,24 @@ impl PoolShared {
             return 0;
         }
         match self.harvest_gate.try_lock() {
-            Some(gate) => self.harvest_with(gate, true),
+            Some(gate) => self.harvest_with(gate, true, false),
             None => 0,
         }
     }
 
-    /// A harvest for an allocation's slow path (`urgent`: its promises
-    /// get probes at once) or for the maintenance step.
+    /// A harvest: `urgent` (an allocation's slow path, an explicit
+    /// harvest) gives the pending records' promises probes at once, not
+    /// after the probe interval; `settle_urgent` those of the returning
+    /// slots too (not on an allocation's path: a returning slot is its
+    /// stream's, which settles it when its stacks miss). See `probes.rs`.
     fn harvest_with(
         &self,
         mut gate: parking_lot::MutexGuard<'_, HarvestGate>,
         urgent: bool,
+        settle_urgent: bool,
     ) -> usize {
         let mut released = self.harvest_quarantine(&mut Progress::default());
-        released += self.settle_all_returning();
+        released += self.settle_all_returning(settle_urgent);
         if self.no_pending() {
             return released;
         }

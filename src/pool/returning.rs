@@ -190,9 +190,8 @@ impl PoolShared {
 
     /// [`PoolShared::settle_returning`] for every slot (a harvest): how
     /// many slots were given back.
-    /// Not urgent (see `probes.rs`): a returning slot is its own
-    /// stream's, which settles it when its stacks miss.
-    pub(super) fn settle_all_returning(&self) -> usize {
+    /// `urgent`: promises get probes at once (see `probes.rs`).
+    pub(super) fn settle_all_returning(&self, urgent: bool) -> usize {
         if self.returning.is_empty() || self.capture.underway() {
             return 0;
         }
@@ -201,9 +200,11 @@ impl PoolShared {
             if !self.returning.has(slot) {
                 continue;
             }
-            let done =
-                self.returning
-                    .settle(slot, |w| self.waits_done(w), |s| self.give_back(slot, s));
+            let done = self.returning.settle(
+                slot,
+                |w| self.waits_done_now(w, urgent),
+                |s| self.give_back(slot, s),
+            );
             n += done.len();
             for w in done {
                 self.recycle_events(w);
