@@ -850,7 +850,7 @@ impl PoolShared {
                 // the heap lock: no driver call runs under it. The block is
                 // still allocated until the free below publishes it.
                 let mut waits = (!own_stream_only && tagged != Some(true))
-                    .then(|| self.free_waits(stream.core(), extra));
+                    .then(|| self.record_events(stream.core(), extra));
                 let mut h = self.heap.lock();
                 match slot {
                     // Paused: unmapped after a host wait, no use remains.
@@ -886,15 +886,6 @@ impl PoolShared {
         let mut w = self.record_events_on(std::slice::from_ref(own));
         w.absorb(self.record_events_on(extra));
         w
-    }
-
-    /// What a free used on `own` and `extra` waits for: promises where
-    /// the streams take them (see `probes.rs`), events elsewhere.
-    fn free_waits(&self, own: &Arc<StreamCore>, extra: &[Arc<StreamCore>]) -> Waits {
-        let mut streams: SmallVec<[&Arc<StreamCore>; 3]> = SmallVec::new();
-        streams.push(own);
-        streams.extend(extra.iter());
-        self.waits_on(&streams)
     }
 
     /// Records one pooled event on each of `streams` (see
@@ -1001,7 +992,7 @@ impl PoolShared {
         extra: &[Arc<StreamCore>],
     ) {
         let bytes = slots.len() as u64 * self.slabs.classes.size_of(class);
-        let waits = self.free_waits(own, extra);
+        let waits = self.record_events(own, extra);
         self.counters.pending_slot_bytes.fetch_add(bytes, Relaxed);
         self.counters.pending_frees.fetch_add(1, Relaxed);
         self.pending.push(Pending::Slots {
