@@ -4,8 +4,8 @@
 //! A slot used on streams besides its own is freed behind those other
 //! streams' uses (a promise on each, see `probes.rs`) and none on its
 //! own: its own stream's later work is ordered after its own earlier
-//! uses already. Once those events
-//! complete the slot goes back to its stream's dirty stack (lock-free),
+//! uses already. Once probes on those streams complete the promises,
+//! the slot goes back to its stream's dirty stack (lock-free),
 //! where that stream reuses it at once, or to the clean stack when an
 //! event its stream recorded after the free is known complete too. The
 //! general pending path recorded an event on the slot's own stream as
