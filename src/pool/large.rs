@@ -403,7 +403,7 @@ impl PoolShared {
             h.heap
                 .free(t.addr, Tag::Pending(id))
                 .expect("just allocated");
-            h.group_events.insert(
+            h.insert_group(
                 id,
                 Waits {
                     events: Vec::new(),

@@ -112,6 +112,18 @@ struct HeapState {
     slab_tail_bytes: u64,
 }
 
+impl HeapState {
+    /// Publishes the waits of pending group `id`. A group's waits are
+    /// events and unrecorded streams, never promises: handovers and steals
+    /// wait on groups under the heap lock, and completing a promise there
+    /// could record an event under it (promises live only in small slots'
+    /// records, which are handed over outside it; see `probes.rs`).
+    fn insert_group(&mut self, id: u32, waits: Waits) {
+        debug_assert!(waits.promised.is_empty(), "a heap group took a promise");
+        self.group_events.insert(id, waits);
+    }
+}
+
 /// The state of one device's pool, shared with its streams.
 #[derive(Debug)]
 pub(crate) struct PoolShared {
@@ -868,7 +880,7 @@ impl PoolShared {
                             .free(addr, Tag::Pending(id))
                             .expect("block is allocated");
                         let waits = waits.take().expect("recorded above");
-                        h.group_events.insert(id, waits);
+                        h.insert_group(id, waits);
                         drop(h);
                         self.counters.pending_frees.fetch_add(1, Relaxed);
                         self.pending.push(Pending::Group { id });

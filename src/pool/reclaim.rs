@@ -77,14 +77,9 @@ impl PoolShared {
         sweep.settle(progress, |e| self.event_done(e));
     }
 
-    /// [`PoolShared::waits_done_in`] on its own.
-    pub(super) fn waits_done(&self, w: &Waits) -> bool {
-        self.waits_done_in(w, &mut Progress::default())
-    }
-
-    /// [`PoolShared::waits_done`] in a pass that may be `urgent` (its
-    /// promises get probes at once, see `probes.rs`).
-    pub(super) fn waits_done_now(&self, w: &Waits, urgent: bool) -> bool {
+    /// [`PoolShared::waits_done_in`] on its own, in a pass that may be
+    /// `urgent` (its promises get probes at once, see `probes.rs`).
+    pub(super) fn waits_done(&self, w: &Waits, urgent: bool) -> bool {
         let mut progress = Progress::default();
         progress.urgent = urgent;
         self.waits_done_in(w, &mut progress)
@@ -115,7 +110,9 @@ impl PoolShared {
         // A promise is waited on through the oldest probe that covers it
         // (recorded soon after the free, it completes as early as the
         // free's own event would), else an event recorded now on its
-        // stream, which then serves as that stream's probe.
+        // stream, which then serves as that stream's probe. (Only slot
+        // records carry promises, and their handovers run outside the heap
+        // lock: see `HeapState::insert_group`.)
         for p in &w.promised {
             if p.mark.known_done() || Arc::ptr_eq(&p.mark.order, order) {
                 continue;
@@ -450,7 +447,7 @@ impl PoolShared {
         // under it). Until then the group reads as unrecorded on this
         // stream: nothing hands it over or steals its granules, and only a
         // host sync of the stream (the way to out of memory) completes it.
-        h.group_events.insert(
+        h.insert_group(
             id,
             Waits {
                 unrecorded: vec![core.clone()],

@@ -178,9 +178,11 @@ impl PoolShared {
         }
         // Not urgent: a miss has the slow path, and misses come often;
         // the stream's probes follow the interval (see `probes.rs`).
-        let done = self
-            .returning
-            .settle(slot, |w| self.waits_done(w), |s| self.give_back(slot, s));
+        let done = self.returning.settle(
+            slot,
+            |w| self.waits_done(w, false),
+            |s| self.give_back(slot, s),
+        );
         let any = !done.is_empty();
         for w in done {
             self.recycle_events(w);
@@ -202,7 +204,7 @@ impl PoolShared {
             }
             let done = self.returning.settle(
                 slot,
-                |w| self.waits_done_now(w, urgent),
+                |w| self.waits_done(w, urgent),
                 |s| self.give_back(slot, s),
             );
             n += done.len();

@@ -411,7 +411,7 @@ impl PoolShared {
         while i < arena.fenced.len() {
             let (a, l, w) = &arena.fenced[i];
             if *a < addr + len && addr < a + l {
-                if !self.waits_done(w) && self.wait_on(stream, w).is_err() {
+                if !self.waits_done(w, false) && self.wait_on(stream, w).is_err() {
                     return false;
                 }
                 let (_, l, w) = arena.fenced.swap_remove(i);
@@ -428,7 +428,7 @@ impl PoolShared {
     fn lift_fences(&self, arena: &mut Arena) {
         let mut i = 0;
         while i < arena.fenced.len() {
-            if self.waits_done(&arena.fenced[i].2) {
+            if self.waits_done(&arena.fenced[i].2, false) {
                 let (_, l, w) = arena.fenced.swap_remove(i);
                 arena.fenced_bytes -= l;
                 self.recycle_events(w);
@@ -652,7 +652,7 @@ impl PoolShared {
         h.heap
             .free(a.base, Tag::Pending(id))
             .expect("an arena is allocated");
-        h.group_events.insert(id, waits);
+        h.insert_group(id, waits);
         drop(h);
         self.counters.pending_frees.fetch_add(1, Relaxed);
         self.pending.push(Pending::Group { id });
