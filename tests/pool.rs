@@ -1378,3 +1378,45 @@ fn a_released_stream_covers_its_promises_before_it_is_destroyed() {
     rt.trim().unwrap();
     dev.audit().unwrap();
 }
+
+/// Every event the pool creates is destroyed with it, a probe still
+/// listed at the teardown included: here one a harvest recorded on a
+/// stalled stream, for a promise that `trim` then waited for on the host
+/// (no query removes the probe after that).
+#[test]
+fn a_pool_destroys_every_event_it_made_probes_in_flight_included() {
+    use gpupool::backend::Call;
+    let rt = sim_runtime_with(PROBES_ON_DEMAND);
+    let dev = rt.device(0).unwrap();
+    let be = dev.backend().clone();
+    let sim = sim_of(dev);
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let records = RecordsSince::now(dev);
+    // s2 is quiet: the free records its probe, which completes at once.
+    let a = dev.alloc(4096, &s1).unwrap();
+    a.record_stream(&s2);
+    drop(a);
+    assert_eq!(records.count(), 1);
+    sim.sync_stream(0, s2.handle()).unwrap();
+    assert_eq!(dev.harvest(), 1);
+    // Within the interval: a promise only, then a harvest's probe, which
+    // the stall keeps in flight.
+    sim.stall_stream(0, s2.handle(), Duration::from_millis(100))
+        .unwrap();
+    let b = dev.alloc(4096, &s1).unwrap();
+    b.record_stream(&s2);
+    drop(b);
+    assert_eq!(records.count(), 1);
+    assert_eq!(dev.harvest(), 0);
+    assert_eq!(records.count(), 2, "the harvest's probe");
+    // Trim waits for it on the host: nothing left queries it again.
+    rt.trim().unwrap();
+    assert_eq!(dev.stats().pending_bytes.current, 0);
+    drop((s1, s2, rt));
+    let c = be.counters();
+    assert_eq!(
+        c.get(Call::EventCreate),
+        c.get(Call::EventDestroy),
+        "events leaked"
+    );
+}

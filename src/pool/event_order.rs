@@ -63,6 +63,8 @@ pub(crate) struct EventOrder {
     retired: AtomicBool,
     /// When a probe was last recorded on the stream ([`now_ns`]; 0: never).
     pub(crate) probed_at: AtomicU64,
+    /// The stream's probes in flight, `(number, event)` (see `probes.rs`).
+    pub(crate) probes: Mutex<SmallVec<[(u64, EventHandle); 2]>>,
 }
 
 /// An event's place in its stream's order.

@@ -139,8 +139,9 @@ pub(crate) struct PoolShared {
     /// Small slots freed after uses on other streams, on their way back to
     /// the stream that freed them (see `returning.rs`).
     returning: returning::Returning,
-    /// Events recorded to complete promises (see `probes.rs`).
-    probes: Mutex<Vec<probes::Probe>>,
+    /// The event orders with probes in flight, held so that teardown
+    /// finds their events (see `probes.rs`).
+    probed: Mutex<Vec<Arc<event_order::EventOrder>>>,
     /// Slab base address -> slab id, for raw frees.
     slab_index: slab_index::SlabIndex,
     pending: PendingList<Pending>,
@@ -272,7 +273,7 @@ impl DevicePool {
             }),
             by_stream: stream_large::StreamLarge::new(STREAM_SLOTS),
             returning: returning::Returning::new(STREAM_SLOTS),
-            probes: Mutex::new(Vec::new()),
+            probed: Mutex::new(Vec::new()),
             slab_index: slab_index::SlabIndex::new(reservation),
             pending: PendingList::new(),
             kept: reclaim::KeptRecords::default(),

@@ -40,9 +40,16 @@
 //! Invariants:
 //! 1. A promise is complete only when an event numbered at or after its
 //!    mark on its stream was found complete (`Mark::completed`).
-//! 2. A probe is in `probes` from its record until a query finds it
-//!    complete or the teardown; its event is in no other waits.
-//! 3. No driver call runs under the probes' lock.
+//! 2. A probe is in its stream's `EventOrder::probes` from its record
+//!    until a query finds it complete or the teardown; its event is in no
+//!    other waits. The order is in the pool's `probed` list exactly while
+//!    that list is not empty (both change under the order's lock), so
+//!    teardown finds every probe of streams already gone.
+//! 3. No driver call runs under a probes lock. Locks nest order's
+//!    `probes`, then the pool's `probed`, never the other way round.
+//!
+//! A query locks only its own stream's list: streams do not share a lock
+//! or scan each other's probes.
 
 use super::event_order::{now_ns, Mark, Progress};
 use super::pending::{Promise, Promises, Waits};
@@ -51,13 +58,6 @@ use crate::ptr::EventHandle;
 use smallvec::SmallVec;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-
-/// An event recorded on a stream to complete the promises made there.
-#[derive(Debug)]
-pub(crate) struct Probe {
-    pub ev: EventHandle,
-    pub mark: Mark,
-}
 
 impl PoolShared {
     /// Whether a stream whose last probe was recorded at `last` (0: never)
@@ -148,22 +148,21 @@ impl PoolShared {
     }
 
     /// Queries the probes in flight on `m`'s stream, newest first (one
-    /// found complete completes the older ones), outside the probes' lock;
-    /// pools the events of those done. Returns the newest still in flight.
+    /// found complete completes the older ones), outside its lock; pools
+    /// the events of those done. Returns the newest still in flight.
     fn query_probes(&self, m: &Mark) -> Option<(Mark, EventHandle)> {
-        let mut mine: SmallVec<[(Mark, EventHandle); 2]> = self
-            .probes
-            .lock()
-            .iter()
-            .filter(|p| Arc::ptr_eq(&p.mark.order, &m.order))
-            .map(|p| (p.mark.clone(), p.ev))
-            .collect();
+        let mut mine = m.order.probes.lock().clone();
         if mine.is_empty() {
             return None;
         }
-        mine.sort_unstable_by_key(|(pm, _)| std::cmp::Reverse(pm.seq));
+        mine.sort_unstable_by_key(|&(seq, _)| std::cmp::Reverse(seq));
+        let mark = |seq| Mark {
+            order: m.order.clone(),
+            seq,
+        };
         let mut in_flight = None;
-        for (pm, ev) in mine {
+        for (seq, ev) in mine {
+            let pm = mark(seq);
             if pm.known_done() || self.event_done(ev) {
                 pm.completed();
                 break;
@@ -172,14 +171,21 @@ impl PoolShared {
                 in_flight = Some((pm, ev));
             }
         }
-        let mut done = SmallVec::<[EventHandle; 2]>::new();
-        self.probes.lock().retain(|p| {
-            let keep = !p.mark.known_done();
-            if !keep {
-                done.push(p.ev);
+        let done = {
+            let mut probes = m.order.probes.lock();
+            let mut done = SmallVec::<[EventHandle; 2]>::new();
+            probes.retain(|&mut (seq, ev)| {
+                let keep = !mark(seq).known_done();
+                if !keep {
+                    done.push(ev);
+                }
+                keep
+            });
+            if probes.is_empty() && !done.is_empty() {
+                self.probed.lock().retain(|o| !Arc::ptr_eq(o, &m.order));
             }
-            keep
-        });
+            done
+        };
         self.event_pool.lock().extend(done);
         in_flight
     }
@@ -188,12 +194,23 @@ impl PoolShared {
     /// a stream to wait on. (Should it complete and be reused meanwhile,
     /// the wait only waits longer than it must.)
     pub(super) fn covering_probe(&self, m: &Mark) -> Option<EventHandle> {
-        self.probes
+        m.order
+            .probes
             .lock()
             .iter()
-            .filter(|p| Arc::ptr_eq(&p.mark.order, &m.order) && p.mark.seq >= m.seq)
-            .min_by_key(|p| p.mark.seq)
-            .map(|p| p.ev)
+            .filter(|&&(seq, _)| seq >= m.seq)
+            .min_by_key(|&&(seq, _)| seq)
+            .map(|&(_, ev)| ev)
+    }
+
+    /// Lists event `ev`, recorded on its stream as number `mark`, as a
+    /// probe there.
+    pub(super) fn add_probe(&self, mark: &Mark, ev: EventHandle) {
+        let mut probes = mark.order.probes.lock();
+        probes.push((mark.seq, ev));
+        if probes.len() == 1 {
+            self.probed.lock().push(mark.order.clone());
+        }
     }
 
     /// Records a probe on `core`'s stream; a failed record is retried by a
@@ -201,7 +218,7 @@ impl PoolShared {
     pub(super) fn record_probe(&self, core: &Arc<StreamCore>) {
         core.order.probed_at.store(now_ns(), Relaxed);
         match self.record_on(core) {
-            Ok((ev, Some(mark))) => self.probes.lock().push(Probe { ev, mark }),
+            Ok((ev, Some(mark))) => self.add_probe(&mark, ev),
             // Recorded on the legacy stream: says nothing of this order.
             Ok((ev, None)) => self.event_pool.lock().push(ev),
             Err(e) => tracing::warn!(device = self.dev, "recording a probe failed: {e}"),
@@ -256,9 +273,13 @@ impl PoolShared {
 
     /// Teardown: every probe's event waited for and pooled.
     pub(super) fn drain_probes(&self) {
-        for probe in std::mem::take(&mut *self.probes.lock()) {
-            let _ = self.host_sync_event(probe.ev);
-            self.event_pool.lock().push(probe.ev);
+        let orders = std::mem::take(&mut *self.probed.lock());
+        for order in orders {
+            let probes = std::mem::take(&mut *order.probes.lock());
+            for (_, ev) in probes {
+                let _ = self.host_sync_event(ev);
+                self.event_pool.lock().push(ev);
+            }
         }
     }
 }

@@ -129,10 +129,7 @@ impl PoolShared {
                 .outside_capture(|| self.backend.stream_wait_event(self.dev, stream.handle(), e))
                 .ok_or_else(|| self.capture_error("a handover"));
             match mark {
-                Some(mark) => self
-                    .probes
-                    .lock()
-                    .push(super::probes::Probe { ev: e, mark }),
+                Some(mark) => self.add_probe(&mark, e),
                 // A queued wait keeps the event's state: it can be reused.
                 None => self.event_pool.lock().push(e),
             }
