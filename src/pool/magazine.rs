@@ -140,7 +140,8 @@ fn same(m: &Option<Magazine>, stream: &Stream) -> bool {
         .is_some_and(|m| std::ptr::eq(m.stream.as_ptr(), Arc::as_ptr(&stream.inner)))
 }
 
-/// A slot of `class` this thread freed on `stream`, if it holds one.
+/// A slot of `class` this thread freed on `stream`, if it holds one (the
+/// caller counts it out of the magazine).
 #[inline]
 pub(crate) fn take(stream: &Stream, class: usize) -> Option<u32> {
     MAGS.try_with(|m| {
@@ -151,18 +152,17 @@ pub(crate) fn take(stream: &Stream, class: usize) -> Option<u32> {
             return None;
         }
         r.len -= 1;
-        let idx = r.slots[r.len];
-        let pool = &stream.inner.pool;
-        pool.counters
-            .on_magazine(-(pool.slabs.classes.size_of(class) as i64));
-        Some(idx)
+        // The caller counts the slot out of the magazine with its
+        // allocation (`Counters::on_alloc_from_magazine`).
+        Some(r.slots[r.len])
     })
     .ok()
     .flatten()
 }
 
-/// Keeps a slot of `class` freed on `stream` (which must have a slot);
-/// `false` if the caller must push it to the dirty stack itself.
+/// Keeps a slot of `class` freed on `stream` (which must have a slot;
+/// the caller counts it in); `false` if the caller must push it to the
+/// dirty stack itself.
 #[inline]
 pub(crate) fn put(stream: &Stream, class: usize, idx: u32) -> bool {
     let evicted = MAGS.try_with(|m| {
@@ -191,8 +191,8 @@ pub(crate) fn put(stream: &Stream, class: usize, idx: u32) -> bool {
         let r = &mut mag.racks[class];
         r.slots[r.len] = idx;
         r.len += 1;
-        pool.counters
-            .on_magazine(pool.slabs.classes.size_of(class) as i64);
+        // The caller counts it in with the free
+        // (`Counters::on_free_to_magazine`).
         (true, evicted)
     });
     match evicted {

@@ -555,12 +555,14 @@ impl PoolShared {
         self.check_stream(stream)?;
         self.check_size(size)?;
         let slot = stream.slot();
+        let mut from_magazine = false;
         let (ptr, kind, rounded) = match self.slabs.classes.class_of(size) {
             Some(class) => {
                 let cached = match slot {
                     Some(_) if self.cfg.thread_cache => magazine::take(stream, class),
                     _ => None,
                 };
+                from_magazine = cached.is_some();
                 let idx = match cached.or_else(|| self.slabs.pop(class, slot.map(usize::from))) {
                     Some(i) => i,
                     None => self.alloc_small_slow(class, size, stream)?,
@@ -607,7 +609,11 @@ impl PoolShared {
                 (DevicePtr(addr), Kind::Large { len }, len)
             }
         };
-        self.counters.on_alloc(size, rounded);
+        if from_magazine {
+            self.counters.on_alloc_from_magazine(size, rounded);
+        } else {
+            self.counters.on_alloc(size, rounded);
+        }
         if self.recording.load(Relaxed) {
             self.record(HistoryAction::Alloc, ptr.addr(), size, stream.handle());
         }
@@ -833,16 +839,24 @@ impl PoolShared {
         match kind {
             Kind::Small { idx, class } => {
                 let class = class as usize;
-                self.counters
-                    .on_free(requested, self.slabs.classes.size_of(class));
+                let rounded = self.slabs.classes.size_of(class);
                 match slot {
                     Some(s) if extra.is_empty() => {
-                        if !(self.cfg.thread_cache && magazine::put(stream, class, idx)) {
+                        if self.cfg.thread_cache && magazine::put(stream, class, idx) {
+                            self.counters.on_free_to_magazine(requested, rounded);
+                        } else {
+                            self.counters.on_free(requested, rounded);
                             self.slabs.push_dirty(class, s as usize, idx);
                         }
                     }
-                    Some(s) => self.return_slot(s, class, idx, stream.core(), extra),
-                    None => self.park_slots(class, vec![idx], stream.core(), extra),
+                    Some(s) => {
+                        self.counters.on_free(requested, rounded);
+                        self.return_slot(s, class, idx, stream.core(), extra)
+                    }
+                    None => {
+                        self.counters.on_free(requested, rounded);
+                        self.park_slots(class, vec![idx], stream.core(), extra)
+                    }
                 }
             }
             Kind::Large { len } => {

@@ -256,8 +256,23 @@ impl Counters {
     /// Counts an allocation of `requested` bytes taking `rounded` bytes.
     #[inline]
     pub(crate) fn on_alloc(&self, requested: u64, rounded: u64) {
+        self.on_alloc_from(requested, rounded, false);
+    }
+
+    /// [`Counters::on_alloc`] for a slot of `rounded` bytes this thread's
+    /// magazine held (one shard lookup for both counts).
+    #[inline]
+    pub(crate) fn on_alloc_from_magazine(&self, requested: u64, rounded: u64) {
+        self.on_alloc_from(requested, rounded, true);
+    }
+
+    #[inline]
+    fn on_alloc_from(&self, requested: u64, rounded: u64, magazine: bool) {
         let (i, own) = my_shard();
         let s = &self.shards[i];
+        if magazine {
+            bump(&s.magazine, -(rounded as i64), own);
+        }
         bump(&s.allocs, 1, own);
         bump(&s.requested, requested as i64, own);
         let now = bump(&s.allocated, rounded as i64, own);
@@ -270,11 +285,26 @@ impl Counters {
     /// Counts a free.
     #[inline]
     pub(crate) fn on_free(&self, requested: u64, rounded: u64) {
+        self.on_free_to(requested, rounded, false);
+    }
+
+    /// [`Counters::on_free`] for a slot of `rounded` bytes kept in this
+    /// thread's magazine (one shard lookup for both counts).
+    #[inline]
+    pub(crate) fn on_free_to_magazine(&self, requested: u64, rounded: u64) {
+        self.on_free_to(requested, rounded, true);
+    }
+
+    #[inline]
+    fn on_free_to(&self, requested: u64, rounded: u64, magazine: bool) {
         let (i, own) = my_shard();
         let s = &self.shards[i];
         bump(&s.frees, 1, own);
         bump(&s.requested, -(requested as i64), own);
         bump(&s.allocated, -(rounded as i64), own);
+        if magazine {
+            bump(&s.magazine, rounded as i64, own);
+        }
     }
 
     /// Counts bytes entering (+) or leaving (-) this thread's magazines.
