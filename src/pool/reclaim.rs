@@ -12,7 +12,7 @@ use super::{HeapState, PoolShared, Stream, StreamCore};
 use crate::error::{Error, Result};
 use crate::ptr::EventHandle;
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
@@ -521,7 +521,7 @@ impl PoolShared {
             if clean.is_empty() {
                 continue;
             }
-            let mut per_slab: HashMap<u32, Vec<u32>> = HashMap::new();
+            let mut per_slab: HashMap<u32, Vec<u32>> = HashMap::default();
             for idx in clean {
                 per_slab
                     .entry(self.slabs.slab_of(idx))

@@ -38,8 +38,8 @@ use crate::ptr::{ChunkHandle, DevicePtr, EventHandle, StreamHandle};
 use capture::Checked;
 use memory::DeviceMemory;
 use parking_lot::{Mutex, RwLock};
+use rustc_hash::FxHashMap as HashMap;
 use std::any::Any;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
@@ -216,9 +216,9 @@ impl SimBackend {
         let mut sim = SimBackend {
             shared: Arc::new(Shared { devices }),
             default_streams: Vec::new(),
-            per_thread: Mutex::new(HashMap::new()),
-            streams: RwLock::new(HashMap::new()),
-            events: RwLock::new(HashMap::new()),
+            per_thread: Mutex::new(HashMap::default()),
+            streams: RwLock::new(HashMap::default()),
+            events: RwLock::new(HashMap::default()),
             // Handles 0..=2 are the driver's default-stream values.
             next_handle: AtomicU64::new(16),
             counters: CallCounters::default(),
