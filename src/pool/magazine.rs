@@ -153,7 +153,7 @@ pub(crate) fn take(stream: &Stream, class: usize) -> Option<u32> {
         }
         r.len -= 1;
         // The caller counts the slot out of the magazine with its
-        // allocation (`Counters::on_alloc_from_magazine`).
+        // allocation (`Counters::on_alloc_from`).
         Some(r.slots[r.len])
     })
     .ok()
@@ -192,7 +192,7 @@ pub(crate) fn put(stream: &Stream, class: usize, idx: u32) -> bool {
         r.slots[r.len] = idx;
         r.len += 1;
         // The caller counts it in with the free
-        // (`Counters::on_free_to_magazine`).
+        // (`Counters::on_free_to`).
         (true, evicted)
     });
     match evicted {

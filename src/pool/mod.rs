@@ -609,11 +609,7 @@ impl PoolShared {
                 (DevicePtr(addr), Kind::Large { len }, len)
             }
         };
-        if from_magazine {
-            self.counters.on_alloc_from_magazine(size, rounded);
-        } else {
-            self.counters.on_alloc(size, rounded);
-        }
+        self.counters.on_alloc_from(size, rounded, from_magazine);
         if self.recording.load(Relaxed) {
             self.record(HistoryAction::Alloc, ptr.addr(), size, stream.handle());
         }
@@ -843,7 +839,7 @@ impl PoolShared {
                 match slot {
                     Some(s) if extra.is_empty() => {
                         if self.cfg.thread_cache && magazine::put(stream, class, idx) {
-                            self.counters.on_free_to_magazine(requested, rounded);
+                            self.counters.on_free_to(requested, rounded, true);
                         } else {
                             self.counters.on_free(requested, rounded);
                             self.slabs.push_dirty(class, s as usize, idx);

@@ -259,15 +259,10 @@ impl Counters {
         self.on_alloc_from(requested, rounded, false);
     }
 
-    /// [`Counters::on_alloc`] for a slot of `rounded` bytes this thread's
-    /// magazine held (one shard lookup for both counts).
+    /// [`Counters::on_alloc`]; with `magazine`, the slot left this
+    /// thread's magazine (one shard lookup for both counts).
     #[inline]
-    pub(crate) fn on_alloc_from_magazine(&self, requested: u64, rounded: u64) {
-        self.on_alloc_from(requested, rounded, true);
-    }
-
-    #[inline]
-    fn on_alloc_from(&self, requested: u64, rounded: u64, magazine: bool) {
+    pub(crate) fn on_alloc_from(&self, requested: u64, rounded: u64, magazine: bool) {
         let (i, own) = my_shard();
         let s = &self.shards[i];
         if magazine {
@@ -288,15 +283,10 @@ impl Counters {
         self.on_free_to(requested, rounded, false);
     }
 
-    /// [`Counters::on_free`] for a slot of `rounded` bytes kept in this
+    /// [`Counters::on_free`]; with `magazine`, the slot went into this
     /// thread's magazine (one shard lookup for both counts).
     #[inline]
-    pub(crate) fn on_free_to_magazine(&self, requested: u64, rounded: u64) {
-        self.on_free_to(requested, rounded, true);
-    }
-
-    #[inline]
-    fn on_free_to(&self, requested: u64, rounded: u64, magazine: bool) {
+    pub(crate) fn on_free_to(&self, requested: u64, rounded: u64, magazine: bool) {
         let (i, own) = my_shard();
         let s = &self.shards[i];
         bump(&s.frees, 1, own);
