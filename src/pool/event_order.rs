@@ -91,6 +91,11 @@ impl EventOrder {
         t != 0 && now.saturating_sub(t) <= PROGRESS_WINDOW.as_nanos() as u64
     }
 
+    /// Whether every event numbered up to `seq` is known complete.
+    pub(crate) fn done_through(&self, seq: u64) -> bool {
+        self.done.load(Acquire) >= seq
+    }
+
     /// The stream retires: no more promises. Whether one made earlier is
     /// not covered by a recorded event yet (the caller records one).
     pub(crate) fn retire(&self) -> bool {
@@ -145,7 +150,7 @@ impl Mark {
 
     /// Whether the event is known complete (no query needed).
     pub(crate) fn known_done(&self) -> bool {
-        self.order.done.load(Acquire) >= self.seq
+        self.order.done_through(self.seq)
     }
 
     /// A query found the event complete: so are the earlier ones.

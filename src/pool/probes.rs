@@ -162,20 +162,19 @@ impl PoolShared {
         };
         let mut in_flight = None;
         for (seq, ev) in mine {
-            let pm = mark(seq);
-            if pm.known_done() || self.event_done(ev) {
-                pm.completed();
+            if m.order.done_through(seq) || self.event_done(ev) {
+                mark(seq).completed();
                 break;
             }
             if in_flight.is_none() {
-                in_flight = Some((pm, ev));
+                in_flight = Some((mark(seq), ev));
             }
         }
         let done = {
             let mut probes = m.order.probes.lock();
             let mut done = SmallVec::<[EventHandle; 2]>::new();
             probes.retain(|&mut (seq, ev)| {
-                let keep = !mark(seq).known_done();
+                let keep = !m.order.done_through(seq);
                 if !keep {
                     done.push(ev);
                 }

@@ -99,13 +99,15 @@ impl PoolShared {
             ));
         }
         let order = &stream.core().order;
+        let wait = |e: EventHandle| -> Result<()> {
+            self.outside_capture(|| self.backend.stream_wait_event(self.dev, stream.handle(), e))
+                .ok_or_else(|| self.capture_error("a handover"))?
+        };
         for (i, &e) in w.events.iter().enumerate() {
             // Work on the stream already runs after its own events.
-            if w.needs_no_wait(i, order) {
-                continue;
+            if !w.needs_no_wait(i, order) {
+                wait(e)?;
             }
-            self.outside_capture(|| self.backend.stream_wait_event(self.dev, stream.handle(), e))
-                .ok_or_else(|| self.capture_error("a handover"))??;
         }
         // A promise is waited on through the oldest probe that covers it
         // (recorded soon after the free, it completes as early as the
@@ -118,22 +120,17 @@ impl PoolShared {
                 continue;
             }
             if let Some(e) = self.covering_probe(&p.mark) {
-                self.outside_capture(|| {
-                    self.backend.stream_wait_event(self.dev, stream.handle(), e)
-                })
-                .ok_or_else(|| self.capture_error("a handover"))??;
+                wait(e)?;
                 continue;
             }
             let (e, mark) = self.record_on(&p.core)?;
-            let waited = self
-                .outside_capture(|| self.backend.stream_wait_event(self.dev, stream.handle(), e))
-                .ok_or_else(|| self.capture_error("a handover"));
+            let waited = wait(e);
             match mark {
                 Some(mark) => self.add_probe(&mark, e),
                 // A queued wait keeps the event's state: it can be reused.
                 None => self.event_pool.lock().push(e),
             }
-            waited??;
+            waited?;
         }
         Ok(())
     }
