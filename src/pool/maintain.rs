@@ -37,7 +37,8 @@ pub struct MaintainReport {
 /// Traffic seen by the previous `maintain` call.
 #[derive(Debug)]
 pub(crate) struct IdleState {
-    ops: u64,
+    /// Allocations plus frees when last measured.
+    pub(super) ops: u64,
     since: Instant,
     /// An idle pass found nothing to move in this idle period.
     compacted: bool,
@@ -70,8 +71,7 @@ impl DevicePool {
         let harvested = self.shared.harvest_background();
         // The per-thread counter shards only: `stats()` would also walk
         // the heap under its lock, every tick, stalling allocations.
-        let (_, _, allocs, frees) = self.shared.counters.totals();
-        let ops = allocs + frees;
+        let ops = self.shared.counters.traffic();
         let now = Instant::now();
         let mut idle = self.shared.idle.lock();
         if ops != idle.ops {

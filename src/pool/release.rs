@@ -8,7 +8,6 @@
 //! and goes on a later call.
 
 use super::DevicePool;
-use std::sync::atomic::Ordering::Relaxed;
 
 impl DevicePool {
     /// Gives idle cached memory back to the device without blocking the
@@ -19,15 +18,36 @@ impl DevicePool {
     /// cached in other threads' per-thread caches stay too. Returns the
     /// bytes given back.
     pub fn release_cache(&self) -> u64 {
+        self.release_cache_while(|| true).unwrap_or(0)
+    }
+
+    /// [`DevicePool::release_cache`] unless the pool saw an allocation or
+    /// a free after its last `maintain` call measured it idle: `None` then,
+    /// and nothing is given back. The idle release policy decides on that
+    /// measure; without the check, a busy period starting in between would
+    /// lose the memory it had just asked for.
+    pub(crate) fn release_cache_if_quiet(&self) -> Option<u64> {
+        let seen = self.shared.idle.lock().ops;
+        self.release_cache_while(|| self.shared.counters.traffic() == seen)
+    }
+
+    /// The release, given up (`None`) where `go` fails before it starts or
+    /// under the heap lock just before the bytes go back, so memory cached
+    /// by traffic after that check stays cached.
+    fn release_cache_while(&self, go: impl Fn() -> bool) -> Option<u64> {
         let sh = &self.shared;
         if sh.check_live().is_err() || sh.capture.underway() {
-            return 0;
+            return Some(0);
+        }
+        if !go() {
+            return None;
         }
         super::magazine::flush_for(sh);
         sh.flush_all_streams();
         sh.harvest();
         sh.retire_empty_slabs();
-        sh.heap.lock().heap.release_cached()
+        let mut heap = sh.heap.lock();
+        go().then(|| heap.heap.release_cached())
     }
 
     /// Makes every freed byte reusable by any stream, keeping it (unlike
@@ -63,11 +83,7 @@ impl DevicePool {
     /// for one allocating thread per pool, a lower bound otherwise (like
     /// the pool's other peaks).
     pub fn take_window_peak(&self) -> u64 {
-        let c = &self.shared.counters;
-        c.sample_peaks();
-        let peak = c.window_peak_active.load(Relaxed);
-        c.start_window();
-        peak
+        self.shared.counters.take_window()
     }
 }
 
@@ -121,5 +137,25 @@ mod tests {
         // The pool grows again on demand.
         drop(p.alloc(8 << 20, &s).unwrap());
         assert!(p.stats().reserved_bytes.current >= 8 << 20);
+    }
+
+    /// The idle release policy's release holds back when traffic came
+    /// after `maintain` measured the pool idle, and goes ahead once a
+    /// later measure saw that traffic.
+    #[test]
+    fn a_quiet_release_gives_nothing_back_after_traffic_since_the_idle_measure() {
+        let p = pool();
+        let s = p.new_stream().unwrap();
+        drop(p.alloc(32 << 20, &s).unwrap());
+        p.settle().unwrap();
+        p.maintain();
+        drop(p.alloc(16 << 20, &s).unwrap());
+        let reserved = p.stats().reserved_bytes.current;
+        assert_eq!(p.release_cache_if_quiet(), None);
+        assert_eq!(p.stats().reserved_bytes.current, reserved);
+        p.settle().unwrap();
+        p.maintain();
+        assert_eq!(p.release_cache_if_quiet(), Some(reserved));
+        assert_eq!(p.stats().reserved_bytes.current, 0);
     }
 }

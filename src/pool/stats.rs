@@ -339,19 +339,32 @@ impl Counters {
         self.window_peak_active.fetch_max(al, Relaxed);
     }
 
-    /// Starts a new peak window: the window peak becomes the current
-    /// `allocated` total, and every shard's high-water mark drops to its
-    /// current value so that the window's new highs are sampled again. The
+    /// Ends the peak window and starts the next: returns the ended
+    /// window's peak, and the new window starts at the current `allocated`
+    /// total, with every shard's high-water mark dropped to its current
+    /// value so that the window's new highs are sampled again. The
     /// all-time peaks are untouched. Called by the maintenance thread when
-    /// the pool goes idle, never on the fast path; a race with a shard's
-    /// owner only makes one sample early or late.
-    pub(crate) fn start_window(&self) -> u64 {
+    /// the pool goes idle, never on the fast path.
+    ///
+    /// No high is lost to a concurrent allocation: one that raises its
+    /// shard's mark before the marks drop folds into the window that the
+    /// swap below ends; one after, into the new window (or both). A load
+    /// and a separate store would drop a high reached between them, and
+    /// the idle release policy would then give back what the busy period
+    /// had just needed.
+    pub(crate) fn take_window(&self) -> u64 {
+        self.sample_peaks();
         for s in self.shards.iter() {
             s.high.store(s.allocated.load(Relaxed), Relaxed);
         }
-        let (_, ac, _, _) = self.totals();
-        self.window_peak_active.store(ac, Relaxed);
-        ac
+        let (_, now, _, _) = self.totals();
+        self.window_peak_active.swap(now, Relaxed).max(now)
+    }
+
+    /// Allocations plus frees so far, summed over the shards.
+    pub(crate) fn traffic(&self) -> u64 {
+        let (_, _, allocs, frees) = self.totals();
+        allocs + frees
     }
 
     /// Resets every peak to the current value (PyTorch's

@@ -19,7 +19,10 @@
 //! it holds keeps it (no grow-release churn in a steady loop); a pool that
 //! grew for a large batch and then runs smaller ones gives the difference
 //! back at its next idle gap. Memory still in flight on the device goes on
-//! a later tick.
+//! a later tick. The release is given up when an allocation or a free came
+//! after the tick measured the gap (checked under the heap lock, just
+//! before the bytes go back): a busy period that starts mid-tick keeps
+//! what it asked for, and its peak is taken at the next gap.
 
 use super::Pools;
 use crate::error::Result;
@@ -204,13 +207,19 @@ fn run(
                 let st = pool.stats();
                 if !exhausted && over_threshold(st.cached_bytes.current, need, cfg.release_fraction)
                 {
-                    let freed = pool.release_cache();
-                    if freed > 0 {
-                        s.releases.fetch_add(1, Relaxed);
-                        s.released_bytes.fetch_add(freed, Relaxed);
-                    } else if pool.stats().pending_bytes.current == 0 {
-                        // Nothing more to give back in this idle gap.
-                        exhausted = true;
+                    match pool.release_cache_if_quiet() {
+                        // Traffic since `maintain` measured the gap: a new
+                        // busy period, whose peak the next gap takes.
+                        None => busy_peak = None,
+                        Some(0) if pool.stats().pending_bytes.current == 0 => {
+                            // Nothing more to give back in this idle gap.
+                            exhausted = true;
+                        }
+                        Some(0) => {}
+                        Some(freed) => {
+                            s.releases.fetch_add(1, Relaxed);
+                            s.released_bytes.fetch_add(freed, Relaxed);
+                        }
                     }
                 }
             }
