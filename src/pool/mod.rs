@@ -836,23 +836,16 @@ impl PoolShared {
             Kind::Small { idx, class } => {
                 let class = class as usize;
                 let rounded = self.slabs.classes.size_of(class);
+                let kept = slot.is_some()
+                    && extra.is_empty()
+                    && self.cfg.thread_cache
+                    && magazine::put(stream, class, idx);
+                self.counters.on_free_to(requested, rounded, kept);
                 match slot {
-                    Some(s) if extra.is_empty() => {
-                        if self.cfg.thread_cache && magazine::put(stream, class, idx) {
-                            self.counters.on_free_to(requested, rounded, true);
-                        } else {
-                            self.counters.on_free(requested, rounded);
-                            self.slabs.push_dirty(class, s as usize, idx);
-                        }
-                    }
-                    Some(s) => {
-                        self.counters.on_free(requested, rounded);
-                        self.return_slot(s, class, idx, stream.core(), extra)
-                    }
-                    None => {
-                        self.counters.on_free(requested, rounded);
-                        self.park_slots(class, vec![idx], stream.core(), extra)
-                    }
+                    _ if kept => {}
+                    Some(s) if extra.is_empty() => self.slabs.push_dirty(class, s as usize, idx),
+                    Some(s) => self.return_slot(s, class, idx, stream.core(), extra),
+                    None => self.park_slots(class, vec![idx], stream.core(), extra),
                 }
             }
             Kind::Large { len } => {
