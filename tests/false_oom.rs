@@ -147,3 +147,56 @@ fn no_false_out_of_memory_with_many_streams_and_threads() {
     }
     assert_eq!(false_ooms, 0, "out of memory while the memory was free");
 }
+
+/// The way to out of memory waits on the host for pending memory; other
+/// threads go on freeing meanwhile, on their own streams. That memory is
+/// dirty on those streams, and the last attempt must still get it (behind
+/// an event on each, a device wait), not fail beside it.
+#[test]
+fn memory_freed_on_another_stream_during_the_oom_wait_is_used() {
+    let be = Arc::new(
+        SimBackend::new(SimConfig {
+            devices: 1,
+            capacity_bytes: 64 * MIB,
+            ..Default::default()
+        })
+        .unwrap(),
+    );
+    let rt = Runtime::with_backend(be.clone(), PoolConfig::default()).unwrap();
+    let dev = rt.device(0).unwrap();
+    let (slow, freer, asker) = (
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+    );
+    // 16 MiB freed behind a stream that stalls for a second: pending, and
+    // only a host wait makes it usable.
+    let p = dev.alloc(16 * MIB as usize, &slow).unwrap();
+    be.stall_stream(0, slow.handle(), Duration::from_secs(1))
+        .unwrap();
+    drop(p);
+    // 40 MiB live on another stream; 8 MiB never used.
+    let y = dev.alloc(40 * MIB as usize, &freer).unwrap();
+    let waits0 = dev.stats().num_oom_waits;
+    std::thread::scope(|sc| {
+        // Freed while the request below waits for the stalled stream.
+        sc.spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            drop(y);
+        });
+        // 32 MiB: more than the pending and unused memory together (24
+        // MiB) until the 40 MiB block is freed.
+        let b = dev.alloc(32 * MIB as usize, &asker);
+        assert!(
+            b.is_ok(),
+            "out of memory with nothing live: {}",
+            b.err().unwrap()
+        );
+    });
+    assert!(
+        dev.stats().num_oom_waits > waits0,
+        "the request never waited"
+    );
+    rt.trim().unwrap();
+    dev.audit().unwrap();
+}

@@ -120,17 +120,18 @@ impl PoolShared {
                 return keep(&mut h, t.addr);
             }
         }
-        // The way to out of memory: wait for what is in flight, then once more.
+        // The way to out of memory: wait for what is in flight, then the
+        // last attempts.
         self.wait_before_oom();
-        let mut h = self.heap.lock();
-        self.unpark(&mut h);
-        match self.heap_alloc_or_oom(&mut h, len, stream, PendingUse::Any)? {
-            Some(t) => keep(&mut h, t.addr),
-            None => {
-                drop(h);
-                Err(self.oom(size))
+        let last = self.last_attempts(|| {
+            let mut h = self.heap.lock();
+            self.unpark(&mut h);
+            match self.take_pending(&mut h, len, stream)? {
+                Some(t) => keep(&mut h, t.addr).map(Some),
+                None => Ok(None),
             }
-        }
+        })?;
+        last.ok_or_else(|| self.oom(size))
     }
 
     /// Backed memory pending only behind this stream's own events (its

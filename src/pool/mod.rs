@@ -88,7 +88,10 @@ use size_class::round_large;
 use small::Slabs;
 use smallvec::SmallVec;
 use stats::Counters;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicBool, AtomicUsize,
+    Ordering::{Acquire, Relaxed, Release},
+};
 use std::sync::Arc;
 pub(crate) use stream::StreamCore;
 use stream::{StreamRegistry, STREAM_SLOTS};
@@ -121,6 +124,23 @@ impl HeapState {
     fn insert_group(&mut self, id: u32, waits: Waits) {
         debug_assert!(waits.promised.is_empty(), "a heap group took a promise");
         self.group_events.insert(id, waits);
+    }
+}
+
+/// Attempts at most on the way to out of memory after the host wait, while
+/// other threads free memory during them (see `PoolShared::last_attempts`).
+const LAST_ATTEMPTS: usize = 3;
+/// The longest the last attempts wait for streams retiring on other
+/// threads (see `PoolShared::last_attempts`).
+const RETIRE_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// A stream retirement under way ([`PoolShared::retirement`]).
+pub(crate) struct Retirement<'a>(&'a AtomicUsize);
+
+impl Drop for Retirement<'_> {
+    fn drop(&mut self) {
+        // Release: a thread that reads 0 sees the retirement's flush.
+        self.0.fetch_sub(1, Release);
     }
 }
 
@@ -175,6 +195,9 @@ pub(crate) struct PoolShared {
     /// stream's dirty memory, so that memory one stream freed becomes
     /// reusable by the others instead of each stream growing its own cache.
     flush_wanted: AtomicBool,
+    /// Streams whose retirement (`StreamInner`'s drop) is under way: what
+    /// they freed is flushed only when it ends.
+    retiring: AtomicUsize,
     /// Whether the heap's quarantine may hold aliases: set with each push
     /// (under the heap lock), cleared when a harvest empties it, so that a
     /// harvest with nothing quarantined takes no heap lock for it.
@@ -289,6 +312,7 @@ impl DevicePool {
             shut: AtomicBool::new(false),
             torn_down: AtomicBool::new(false),
             flush_wanted: AtomicBool::new(false),
+            retiring: AtomicUsize::new(0),
             quarantined: AtomicBool::new(false),
             idle: Mutex::new(maintain::IdleState::default()),
             maint_gate: Mutex::new(()),
@@ -659,17 +683,19 @@ impl PoolShared {
             Err(e) if e.is_oom() => {}
             Err(e) => return Err(e),
         }
-        // The way to out of memory: wait for what is in flight, then once more.
+        // The way to out of memory: wait for what is in flight, then the
+        // last attempts.
         self.wait_before_oom();
-        if let Some(i) = self.slabs.pop(class, slot) {
-            return Ok(i);
-        }
-        match self.new_slab(class, stream, PendingUse::Any) {
-            Ok(Some(i)) => Ok(i),
-            Ok(None) => Err(self.oom(size)),
-            Err(e) if e.is_oom() => Err(self.oom(size)),
-            Err(e) => Err(e),
-        }
+        let last = self.last_attempts(|| {
+            if let Some(i) = self.slabs.pop(class, slot) {
+                return Ok(Some(i));
+            }
+            match self.new_slab(class, stream, PendingUse::Any) {
+                Err(e) if e.is_oom() => Ok(None),
+                r => r,
+            }
+        })?;
+        last.ok_or_else(|| self.oom(size))
     }
 
     /// `cuEventSynchronize`, counted in this thread's [`HOST_SYNCS`]. An
@@ -711,6 +737,57 @@ impl PoolShared {
         let syncs = HOST_SYNCS.with(|c| c.get()) - before;
         self.counters.oom_waits.fetch_add(1, Relaxed);
         self.counters.oom_host_syncs.fetch_add(syncs, Relaxed);
+    }
+
+    /// Counts a stream retirement under way until the guard drops (see
+    /// [`PoolShared::last_attempts`]).
+    pub(crate) fn retirement(&self) -> Retirement<'_> {
+        self.retiring.fetch_add(1, Relaxed);
+        Retirement(&self.retiring)
+    }
+
+    /// The last attempts before out of memory, after [`wait_before_oom`]:
+    /// `attempt` runs after every stream's freed memory is flushed (one
+    /// event per stream, no wait) and harvested, and again, up to
+    /// [`LAST_ATTEMPTS`] times, while other threads freed memory during
+    /// the previous one.
+    ///
+    /// Why: other threads go on freeing on their own streams while this
+    /// one waits on the host, and that memory is dirty on those streams,
+    /// which no other stream may take, nor stitch its idle granules, until
+    /// an event covers its uses. Flushed, it is pending behind those
+    /// events and the attempt takes it by handover (a device wait). A
+    /// request failed beside hundreds of MiB that other threads had just
+    /// freed (`tests/false_oom.rs` under CPU contention).
+    ///
+    /// A stream that retires on another thread is no longer found among
+    /// the live streams, and what it freed is dirty on its slot until its
+    /// retirement flushes it: each attempt first waits for retirements in
+    /// progress (host work of microseconds, unless that thread is
+    /// descheduled), up to [`RETIRE_WAIT`]. A request failed beside the
+    /// 328 MiB a thread had freed on its stream just before it exited.
+    ///
+    /// [`wait_before_oom`]: PoolShared::wait_before_oom
+    fn last_attempts<T>(
+        &self,
+        mut attempt: impl FnMut() -> Result<Option<T>>,
+    ) -> Result<Option<T>> {
+        let deadline = std::time::Instant::now() + RETIRE_WAIT;
+        for _ in 0..LAST_ATTEMPTS {
+            while self.retiring.load(Acquire) != 0 && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+            let frees = self.counters.totals().3;
+            self.flush_all_streams();
+            self.harvest();
+            if let Some(t) = attempt()? {
+                return Ok(Some(t));
+            }
+            if self.counters.totals().3 == frees && self.retiring.load(Acquire) == 0 {
+                break;
+            }
+        }
+        Ok(None)
     }
 
     /// Carves a new slab for `class` and pops one slot of it (or of any

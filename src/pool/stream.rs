@@ -314,6 +314,9 @@ impl Drop for StreamInner {
             self.pool.record_probe(&self.core);
         }
         if let Some(s) = self.slot {
+            // Counted until the flush below is done: the way to out of
+            // memory waits for it (see `PoolShared::last_attempts`).
+            let _retiring = self.pool.retirement();
             // This thread's magazine of the stream first: into the dirty
             // stacks that the retirement flushes.
             super::magazine::flush_stream(self);
