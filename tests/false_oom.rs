@@ -60,15 +60,20 @@ impl Tally {
     }
 }
 
-fn run(seed: u64, threads: u64, per_thread: usize) -> Arc<Tally> {
-    let be = Arc::new(
+/// One simulated device of `capacity` bytes.
+fn sim(capacity: u64) -> Arc<SimBackend> {
+    Arc::new(
         SimBackend::new(SimConfig {
             devices: 1,
-            capacity_bytes: CAPACITY,
+            capacity_bytes: capacity,
             ..Default::default()
         })
         .unwrap(),
-    );
+    )
+}
+
+fn run(seed: u64, threads: u64, per_thread: usize) -> Arc<Tally> {
+    let be = sim(CAPACITY);
     let rt = Runtime::with_backend(be.clone(), PoolConfig::default()).unwrap();
     let dev = rt.device(0).unwrap();
     let tally = Arc::new(Tally::new(threads));
@@ -154,14 +159,7 @@ fn no_false_out_of_memory_with_many_streams_and_threads() {
 /// an event on each, a device wait), not fail beside it.
 #[test]
 fn memory_freed_on_another_stream_during_the_oom_wait_is_used() {
-    let be = Arc::new(
-        SimBackend::new(SimConfig {
-            devices: 1,
-            capacity_bytes: 64 * MIB,
-            ..Default::default()
-        })
-        .unwrap(),
-    );
+    let be = sim(64 * MIB);
     let rt = Runtime::with_backend(be.clone(), PoolConfig::default()).unwrap();
     let dev = rt.device(0).unwrap();
     let (slow, freer, asker) = (

@@ -88,10 +88,7 @@ use size_class::round_large;
 use small::Slabs;
 use smallvec::SmallVec;
 use stats::Counters;
-use std::sync::atomic::{
-    AtomicBool, AtomicUsize,
-    Ordering::{Acquire, Relaxed, Release},
-};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 pub(crate) use stream::StreamCore;
 use stream::{StreamRegistry, STREAM_SLOTS};
@@ -133,16 +130,6 @@ const LAST_ATTEMPTS: usize = 3;
 /// The longest the last attempts wait for streams retiring on other
 /// threads (see `PoolShared::last_attempts`).
 const RETIRE_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
-
-/// A stream retirement under way ([`PoolShared::retirement`]).
-pub(crate) struct Retirement<'a>(&'a AtomicUsize);
-
-impl Drop for Retirement<'_> {
-    fn drop(&mut self) {
-        // Release: a thread that reads 0 sees the retirement's flush.
-        self.0.fetch_sub(1, Release);
-    }
-}
 
 /// The state of one device's pool, shared with its streams.
 #[derive(Debug)]
@@ -195,9 +182,6 @@ pub(crate) struct PoolShared {
     /// stream's dirty memory, so that memory one stream freed becomes
     /// reusable by the others instead of each stream growing its own cache.
     flush_wanted: AtomicBool,
-    /// Streams whose retirement (`StreamInner`'s drop) is under way: what
-    /// they freed is flushed only when it ends.
-    retiring: AtomicUsize,
     /// Whether the heap's quarantine may hold aliases: set with each push
     /// (under the heap lock), cleared when a harvest empties it, so that a
     /// harvest with nothing quarantined takes no heap lock for it.
@@ -312,7 +296,6 @@ impl DevicePool {
             shut: AtomicBool::new(false),
             torn_down: AtomicBool::new(false),
             flush_wanted: AtomicBool::new(false),
-            retiring: AtomicUsize::new(0),
             quarantined: AtomicBool::new(false),
             idle: Mutex::new(maintain::IdleState::default()),
             maint_gate: Mutex::new(()),
@@ -739,13 +722,6 @@ impl PoolShared {
         self.counters.oom_host_syncs.fetch_add(syncs, Relaxed);
     }
 
-    /// Counts a stream retirement under way until the guard drops (see
-    /// [`PoolShared::last_attempts`]).
-    pub(crate) fn retirement(&self) -> Retirement<'_> {
-        self.retiring.fetch_add(1, Relaxed);
-        Retirement(&self.retiring)
-    }
-
     /// The last attempts before out of memory, after [`wait_before_oom`]:
     /// `attempt` runs after every stream's freed memory is flushed (one
     /// event per stream, no wait) and harvested, and again, up to
@@ -774,7 +750,7 @@ impl PoolShared {
     ) -> Result<Option<T>> {
         let deadline = std::time::Instant::now() + RETIRE_WAIT;
         for _ in 0..LAST_ATTEMPTS {
-            while self.retiring.load(Acquire) != 0 && std::time::Instant::now() < deadline {
+            while self.streams.any_retiring() && std::time::Instant::now() < deadline {
                 std::thread::sleep(std::time::Duration::from_micros(50));
             }
             let frees = self.counters.totals().3;
@@ -783,7 +759,7 @@ impl PoolShared {
             if let Some(t) = attempt()? {
                 return Ok(Some(t));
             }
-            if self.counters.totals().3 == frees && self.retiring.load(Acquire) == 0 {
+            if self.counters.totals().3 == frees && !self.streams.any_retiring() {
                 break;
             }
         }

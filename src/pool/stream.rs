@@ -197,6 +197,16 @@ impl StreamRegistry {
             .collect()
     }
 
+    /// Whether a stream is retiring: its slot is still taken, but its last
+    /// reference is gone, and what it freed is flushed only when its
+    /// retirement releases the slot (after the flush, under this lock).
+    pub(crate) fn any_retiring(&self) -> bool {
+        self.slots
+            .lock()
+            .iter()
+            .any(|s| matches!(s, SlotState::Taken(w) if w.strong_count() == 0))
+    }
+
     /// Frees a slot (its stream retired).
     fn release(&self, slot: u16) {
         self.slots.lock()[slot as usize] = SlotState::Free;
@@ -314,9 +324,6 @@ impl Drop for StreamInner {
             self.pool.record_probe(&self.core);
         }
         if let Some(s) = self.slot {
-            // Counted until the flush below is done: the way to out of
-            // memory waits for it (see `PoolShared::last_attempts`).
-            let _retiring = self.pool.retirement();
             // This thread's magazine of the stream first: into the dirty
             // stacks that the retirement flushes.
             super::magazine::flush_stream(self);
