@@ -1420,3 +1420,79 @@ fn a_pool_destroys_every_event_it_made_probes_in_flight_included() {
         "events leaked"
     );
 }
+
+#[test]
+fn the_small_fast_lane_keeps_every_check_and_count() {
+    // The fast lane serves a pair from the thread's front magazine; these
+    // are the checks and counts the general path makes, through it.
+    let rt = sim_runtime(2, 256 * MIB);
+    let (d0, d1) = (rt.device(0).unwrap(), rt.device(1).unwrap());
+    let s1 = d1.new_stream().unwrap();
+    let before = d1.stats();
+    // Primes the front magazine of `s1` (a typed and a raw pair).
+    drop(d1.alloc(1000, &s1).unwrap());
+    let p = d1.alloc_raw(1000, &s1).unwrap();
+    d1.free_raw(p, &s1).unwrap();
+
+    // Another pool's stream: refused, even with a slot of that stream at
+    // hand, and nothing changes.
+    assert!(matches!(d0.alloc(1000, &s1), Err(Error::InvalidHandle(_))));
+    assert!(matches!(d0.alloc_raw(1000, &s1), Err(Error::InvalidHandle(_))));
+    assert_eq!(d0.stats().num_allocs, 0);
+
+    // Counts: live requested and rounded bytes while a block lives, none
+    // after, and every pair counted.
+    let b = d1.alloc(1000, &s1).unwrap();
+    let live = d1.stats();
+    assert_eq!(live.requested_bytes.current, 1000);
+    let slot = live.allocated_bytes.current;
+    assert!((1000..=2048).contains(&slot), "{slot}");
+    drop(b);
+    for _ in 0..100 {
+        drop(d1.alloc(1000, &s1).unwrap());
+        let p = d1.alloc_raw(1000, &s1).unwrap();
+        d1.free_raw(p, &s1).unwrap();
+    }
+    let after = d1.stats();
+    assert_eq!(after.num_allocs - before.num_allocs, 203);
+    assert_eq!(after.num_frees - before.num_frees, 203);
+    assert_eq!(after.requested_bytes.current, 0);
+    assert_eq!(after.allocated_bytes.current, 0);
+    assert_eq!(after.requested_bytes.peak, 1000);
+
+    // Raw frees through it still refuse bad pointers and change nothing:
+    // the slot freed last is the one handed out next (its magazine's top).
+    let p = d1.alloc_raw(1000, &s1).unwrap();
+    d1.free_raw(p, &s1).unwrap();
+    assert!(matches!(d1.free_raw(p, &s1), Err(Error::DoubleFree { .. })));
+    let interior = DevicePtr(p.addr() + 256);
+    assert!(matches!(
+        d1.free_raw(interior, &s1),
+        Err(Error::UnknownPointer { .. })
+    ));
+    let b = d1.alloc(1000, &s1).unwrap();
+    assert_eq!(b.ptr(), p);
+    assert!(matches!(d1.free_raw(b.ptr(), &s1), Err(Error::DoubleFree { .. })));
+    drop(b);
+    d1.audit().unwrap();
+
+    // A thread that exits with slots in its magazine gives them back: all
+    // of the pool's memory can be trimmed afterwards.
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let s = d1.new_stream().unwrap();
+            for _ in 0..50 {
+                drop(d1.alloc(4096, &s).unwrap());
+            }
+        });
+    });
+    d1.trim().unwrap();
+    let end = d1.audit().unwrap();
+    assert_eq!(end.allocated_bytes.current, 0);
+    assert_eq!(end.cached_bytes.current, 0, "{end:?}");
+
+    // After a shutdown the primed lane refuses too.
+    rt.shutdown();
+    assert!(matches!(d1.alloc(1000, &s1), Err(Error::Shutdown)));
+    assert!(matches!(d1.alloc_raw(1000, &s1), Err(Error::Shutdown)));
+}

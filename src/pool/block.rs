@@ -112,6 +112,14 @@ impl Drop for Block<'_> {
     fn drop(&mut self) {
         let w = *self.meta.get_mut();
         let pool = &self.stream.inner.pool;
+        if w & (Meta::SMALL | Meta::RECORDED) == Meta::SMALL {
+            let Kind::Small { idx, class } = Meta::kind(w) else {
+                unreachable!("the small bit is set");
+            };
+            if pool.free_small_front(self.ptr, idx, class, self.size as u64, self.stream) {
+                return;
+            }
+        }
         // Dropped at the end, outside every pool lock: the last reference
         // to a recorded stream may destroy it (after its event is recorded).
         let extra: Vec<Arc<StreamCore>> = if w & Meta::RECORDED != 0 {

@@ -14,6 +14,14 @@
 //! off. Other threads' magazines hold at most [`CAP`] slots per class
 //! each, which the pool's byte counters account for (as cached memory).
 //!
+//! The fast lane ([`alloc_front`], [`free_front`]) serves the common case,
+//! a pair on the stream this thread last freed on, from the front
+//! magazine alone: one thread-local access (the state of
+//! `thread_state.rs`), the slot's address kept beside its index (no slab
+//! header read), and the counts made in the shard id the magazine cached.
+//! Anything else (another way, a full or empty rack, a first use) takes
+//! [`take`] or [`put`], which rotate and create magazines.
+//!
 //! Lifetimes. A magazine holds its stream and its pool *weakly*: a thread
 //! that stays alive with full magazines keeps neither the stream (which
 //! retires when its user drops it) nor the pool's device memory (which goes
@@ -27,8 +35,8 @@
 //!    no driver call, and nothing at all once its pool is torn down.
 
 use super::stream::{Stream, StreamInner};
+use super::thread_state::{my_shard, STATE};
 use super::PoolShared;
-use std::cell::RefCell;
 use std::sync::atomic::Ordering::AcqRel;
 use std::sync::{Arc, Weak};
 
@@ -38,24 +46,46 @@ pub(crate) const CAP: usize = 16;
 /// Magazines per thread, most recently freed-on stream first.
 const WAYS: usize = 4;
 
-/// One class's slots.
+/// One class's slots, with their device addresses.
 #[derive(Debug, Clone, Copy)]
 struct Rack {
     len: usize,
     slots: [u32; CAP],
+    addrs: [u64; CAP],
+}
+
+impl Rack {
+    #[inline]
+    fn pop(&mut self) -> Option<(u32, u64)> {
+        let n = self.len.checked_sub(1)?;
+        self.len = n;
+        Some((self.slots[n], self.addrs[n]))
+    }
+
+    /// Pushes into a rack that is not full.
+    #[inline]
+    fn push(&mut self, idx: u32, addr: u64) {
+        self.slots[self.len] = idx;
+        self.addrs[self.len] = addr;
+        self.len += 1;
+    }
 }
 
 /// The magazine of one (thread, stream).
-struct Magazine {
+pub(super) struct Magazine {
     stream: Weak<StreamInner>,
     pool: Weak<PoolShared>,
     slot: u16,
+    /// This thread's counter shard (`thread_state.rs`, invariant 2).
+    shard: (usize, bool),
     racks: Box<[Rack]>,
 }
 
-thread_local! {
-    static MAGS: RefCell<[Option<Magazine>; WAYS]> = const { RefCell::new([const { None }; WAYS]) };
-}
+/// A thread's magazines, most recently freed-on stream first.
+pub(super) type Ways = [Option<Magazine>; WAYS];
+
+/// No magazines (a thread's start).
+pub(super) const NO_WAYS: Ways = [const { None }; WAYS];
 
 impl Magazine {
     fn new(stream: &Stream) -> Magazine {
@@ -66,15 +96,22 @@ impl Magazine {
             stream: Arc::downgrade(inner),
             pool: Arc::downgrade(&inner.pool),
             slot: inner.slot.expect("magazines are for streams with a slot"),
+            shard: my_shard(),
             racks: vec![
                 Rack {
                     len: 0,
-                    slots: [0; CAP]
+                    slots: [0; CAP],
+                    addrs: [0; CAP],
                 };
                 n
             ]
             .into(),
         }
+    }
+
+    #[inline]
+    fn is_of(&self, stream: &Stream) -> bool {
+        std::ptr::eq(self.stream.as_ptr(), Arc::as_ptr(&stream.inner))
     }
 
     /// Moves the oldest `n` slots of `class` to the stream's dirty stack
@@ -85,6 +122,7 @@ impl Magazine {
         pool.slabs
             .push_dirty_many(class, self.slot as usize, &r.slots[..n]);
         r.slots.copy_within(n..r.len, 0);
+        r.addrs.copy_within(n..r.len, 0);
         r.len -= n;
         pool.counters
             .on_magazine(-((n as u64 * pool.slabs.classes.size_of(class)) as i64));
@@ -134,44 +172,98 @@ impl Drop for Magazine {
     }
 }
 
+/// The fast lane of an allocation: a slot of `class` from the front
+/// magazine if it is `stream`'s, counted as an allocation of `requested`
+/// bytes taking `rounded`, with its address.
 #[inline]
-fn same(m: &Option<Magazine>, stream: &Stream) -> bool {
-    m.as_ref()
-        .is_some_and(|m| std::ptr::eq(m.stream.as_ptr(), Arc::as_ptr(&stream.inner)))
+pub(crate) fn alloc_front(
+    stream: &Stream,
+    class: usize,
+    requested: u64,
+    rounded: u64,
+) -> Option<(u32, u64)> {
+    STATE
+        .try_with(|t| {
+            let mut m = t.mags.try_borrow_mut().ok()?;
+            let mag = m[0].as_mut().filter(|g| g.is_of(stream))?;
+            let got = mag.racks.get_mut(class)?.pop()?;
+            stream
+                .inner
+                .pool
+                .counters
+                .on_alloc_in(mag.shard, requested, rounded, true);
+            Some(got)
+        })
+        .ok()
+        .flatten()
 }
 
-/// A slot of `class` this thread freed on `stream`, if it holds one (the
-/// caller counts it out of the magazine).
+/// The fast lane of a free: keeps the slot in the front magazine if it is
+/// `stream`'s and has room, counted as a free; `false` if the caller must
+/// take the general path.
 #[inline]
-pub(crate) fn take(stream: &Stream, class: usize) -> Option<u32> {
-    MAGS.try_with(|m| {
-        let mut m = m.try_borrow_mut().ok()?;
-        let mag = m.iter_mut().find(|w| same(w, stream))?.as_mut()?;
-        let r = &mut mag.racks[class];
-        if r.len == 0 {
-            return None;
-        }
-        r.len -= 1;
-        // The caller counts the slot out of the magazine with its
-        // allocation (`Counters::on_alloc_from`).
-        Some(r.slots[r.len])
-    })
-    .ok()
-    .flatten()
+pub(crate) fn free_front(
+    stream: &Stream,
+    class: usize,
+    idx: u32,
+    addr: u64,
+    requested: u64,
+    rounded: u64,
+) -> bool {
+    STATE
+        .try_with(|t| {
+            let Ok(mut m) = t.mags.try_borrow_mut() else {
+                return false;
+            };
+            let Some(mag) = m[0].as_mut().filter(|g| g.is_of(stream)) else {
+                return false;
+            };
+            let Some(r) = mag.racks.get_mut(class).filter(|r| r.len < CAP) else {
+                return false;
+            };
+            r.push(idx, addr);
+            stream
+                .inner
+                .pool
+                .counters
+                .on_free_in(mag.shard, requested, rounded, true);
+            true
+        })
+        .unwrap_or(false)
 }
 
-/// Keeps a slot of `class` freed on `stream` (which must have a slot;
-/// the caller counts it in); `false` if the caller must push it to the
-/// dirty stack itself.
+/// A slot of `class` this thread freed on `stream`, with its address, if
+/// it holds one in any magazine (the caller counts it out of the
+/// magazine).
 #[inline]
-pub(crate) fn put(stream: &Stream, class: usize, idx: u32) -> bool {
-    let evicted = MAGS.try_with(|m| {
-        let Ok(mut m) = m.try_borrow_mut() else {
+pub(crate) fn take(stream: &Stream, class: usize) -> Option<(u32, u64)> {
+    STATE
+        .try_with(|t| {
+            let mut m = t.mags.try_borrow_mut().ok()?;
+            let mag = m.iter_mut().flatten().find(|g| g.is_of(stream))?;
+            // The caller counts the slot out of the magazine with its
+            // allocation (`Counters::on_alloc_from`).
+            mag.racks[class].pop()
+        })
+        .ok()
+        .flatten()
+}
+
+/// Keeps a slot of `class` at `addr` freed on `stream` (which must have a
+/// slot; the caller counts it in), bringing the stream's magazine to the
+/// front; `false` if the caller must push it to the dirty stack itself.
+#[inline]
+pub(crate) fn put(stream: &Stream, class: usize, idx: u32, addr: u64) -> bool {
+    let evicted = STATE.try_with(|t| {
+        let Ok(mut m) = t.mags.try_borrow_mut() else {
             return (false, None);
         };
         let mut evicted = None;
-        if !same(&m[0], stream) {
-            match m.iter().position(|w| same(w, stream)) {
+        if !m[0].as_ref().is_some_and(|g| g.is_of(stream)) {
+            match m
+                .iter()
+                .position(|w| w.as_ref().is_some_and(|g| g.is_of(stream)))
+            {
                 // To the front, the others one down.
                 Some(i) => m[..=i].rotate_right(1),
                 None => {
@@ -188,9 +280,7 @@ pub(crate) fn put(stream: &Stream, class: usize, idx: u32) -> bool {
         if mag.racks[class].len == CAP {
             mag.spill(pool, class, CAP / 2);
         }
-        let r = &mut mag.racks[class];
-        r.slots[r.len] = idx;
-        r.len += 1;
+        mag.racks[class].push(idx, addr);
         // The caller counts it in with the free
         // (`Counters::on_free_to`).
         (true, evicted)
@@ -213,8 +303,8 @@ pub(crate) fn flush_for(pool: &PoolShared) {
 /// weak references no longer upgrade), if any: into its dirty stacks,
 /// which the retirement flushes next.
 pub(crate) fn flush_stream(stream: &StreamInner) {
-    let _ = MAGS.try_with(|m| {
-        let Ok(mut m) = m.try_borrow_mut() else {
+    let _ = STATE.try_with(|t| {
+        let Ok(mut m) = t.mags.try_borrow_mut() else {
             return;
         };
         for w in m.iter_mut() {
@@ -239,8 +329,8 @@ pub(crate) fn flush_stream(stream: &StreamInner) {
 }
 
 fn flush_where(pick: impl Fn(&Magazine) -> bool) {
-    let _ = MAGS.try_with(|m| {
-        let taken: Vec<Magazine> = match m.try_borrow_mut() {
+    let _ = STATE.try_with(|t| {
+        let taken: Vec<Magazine> = match t.mags.try_borrow_mut() {
             Ok(mut m) => m
                 .iter_mut()
                 .filter(|w| w.as_ref().is_some_and(&pick))

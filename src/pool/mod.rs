@@ -60,6 +60,7 @@ mod stream;
 mod stream_large;
 pub(crate) mod sync;
 mod teardown;
+mod thread_state;
 
 pub use block::Block;
 pub use compact_hooks::CompactReport;
@@ -375,15 +376,23 @@ impl DevicePool {
 
     /// Allocates `size` bytes for use on `stream`. The block is freed,
     /// stream-ordered, when dropped.
+    #[inline]
     pub fn alloc<'a>(&'a self, size: usize, stream: &'a Stream) -> Result<Block<'a>> {
-        let (ptr, kind) = self.shared.alloc(size as u64, stream, false)?;
+        let (ptr, kind) = match self.shared.alloc_front(size as u64, stream, false) {
+            Some(got) => got,
+            None => self.shared.alloc(size as u64, stream, false)?,
+        };
         Ok(Block::new(stream, ptr, size, kind))
     }
 
     /// Allocates for a caller that keeps only the pointer (FFI style);
     /// release with [`DevicePool::free_raw`]. Raw blocks are never moved.
+    #[inline]
     pub fn alloc_raw(&self, size: usize, stream: &Stream) -> Result<DevicePtr> {
-        Ok(self.shared.alloc(size as u64, stream, true)?.0)
+        match self.shared.alloc_front(size as u64, stream, true) {
+            Some((ptr, _)) => Ok(ptr),
+            None => Ok(self.shared.alloc(size as u64, stream, true)?.0),
+        }
     }
 
     /// Frees a pointer from [`DevicePool::alloc_raw`], ordered after the
@@ -554,6 +563,31 @@ impl PoolShared {
 
     // ---- allocation ---------------------------------------------------------------
 
+    /// The fast lane of an allocation: a small slot from this thread's
+    /// front magazine (`magazine.rs`), counted; `None` sends the caller to
+    /// [`PoolShared::alloc`], which also makes every check's error.
+    #[inline(always)]
+    fn alloc_front(&self, size: u64, stream: &Stream, raw: bool) -> Option<(DevicePtr, Kind)> {
+        let class = self.slabs.classes.class_of(size)?;
+        if self.shut.load(Relaxed)
+            || self.recording.load(Relaxed)
+            || !std::ptr::eq(stream.pool_ptr(), self)
+            || (raw && self.capture.any_routed())
+        {
+            return None;
+        }
+        let rounded = self.slabs.classes.size_of(class);
+        let (idx, addr) = magazine::alloc_front(stream, class, size, rounded)?;
+        self.slabs.note_alloc(idx, size, raw);
+        Some((
+            DevicePtr(addr),
+            Kind::Small {
+                idx,
+                class: class as u16,
+            },
+        ))
+    }
+
     fn alloc(&self, size: u64, stream: &Stream, raw: bool) -> Result<(DevicePtr, Kind)> {
         if let Some(routed) = self.route_raw(size, stream, raw) {
             return routed.map(|p| (p, Kind::Large { len: 0 }));
@@ -565,28 +599,28 @@ impl PoolShared {
         let mut from_magazine = false;
         let (ptr, kind, rounded) = match self.slabs.classes.class_of(size) {
             Some(class) => {
+                let rounded = self.slabs.classes.size_of(class);
+                let kind = |idx| Kind::Small {
+                    idx,
+                    class: class as u16,
+                };
                 let cached = match slot {
                     Some(_) if self.cfg.thread_cache => magazine::take(stream, class),
                     _ => None,
                 };
                 from_magazine = cached.is_some();
-                let idx = match cached.or_else(|| self.slabs.pop(class, slot.map(usize::from))) {
-                    Some(i) => i,
-                    None => self.alloc_small_slow(class, size, stream)?,
+                let (idx, addr) = match cached {
+                    Some(got) => got,
+                    None => {
+                        let idx = match self.slabs.pop(class, slot.map(usize::from)) {
+                            Some(i) => i,
+                            None => self.alloc_small_slow(class, size, stream)?,
+                        };
+                        (idx, self.slabs.slot(idx).addr)
+                    }
                 };
-                let s = self.slabs.slot(idx);
-                self.slabs.set_requested(idx, size);
-                if raw {
-                    self.slabs.mark_raw(idx);
-                }
-                (
-                    DevicePtr(s.addr),
-                    Kind::Small {
-                        idx,
-                        class: class as u16,
-                    },
-                    self.slabs.classes.size_of(class),
-                )
+                self.slabs.note_alloc(idx, size, raw);
+                (DevicePtr(addr), kind(idx), rounded)
             }
             None => {
                 let len = round_large(size);
@@ -862,6 +896,31 @@ impl PoolShared {
         });
     }
 
+    /// The fast lane of a small free used on its own stream only: into this
+    /// thread's front magazine if it is `stream`'s and has room (such a
+    /// free is never deferred by a capture: see `defer_free`); `false` if
+    /// the caller must call [`PoolShared::free_block`].
+    #[inline]
+    pub(crate) fn free_small_front(
+        &self,
+        ptr: DevicePtr,
+        idx: u32,
+        class: u16,
+        requested: u64,
+        stream: &Stream,
+    ) -> bool {
+        let class = class as usize;
+        !self.recording.load(Relaxed)
+            && magazine::free_front(
+                stream,
+                class,
+                idx,
+                ptr.addr(),
+                requested,
+                self.slabs.classes.size_of(class),
+            )
+    }
+
     /// Frees a block allocated on `stream` and also used on `extra`
     /// streams. A raw large block must be out of the live index already
     /// (`free_raw` takes it out to check it; see `stream_large.rs`).
@@ -892,7 +951,7 @@ impl PoolShared {
                 let kept = slot.is_some()
                     && extra.is_empty()
                     && self.cfg.thread_cache
-                    && magazine::put(stream, class, idx);
+                    && magazine::put(stream, class, idx, ptr.addr());
                 self.counters.on_free_to(requested, rounded, kept);
                 match slot {
                     _ if kept => {}

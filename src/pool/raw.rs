@@ -3,6 +3,7 @@
 //! recorded for it (`record_stream`). A bad pointer (unknown, interior,
 //! freed, a block's) is a typed error that changes nothing.
 
+use super::small::RawMiss;
 use super::*;
 
 impl PoolShared {
@@ -17,7 +18,25 @@ impl PoolShared {
         self.check_live()?;
         self.check_stream(stream)?;
         let addr = ptr.addr();
-        let slab = self.slab_holding(addr);
+        let slab = match self.slab_index.lookup(addr) {
+            Some(id) => match self.slabs.free_raw_slot(id, addr) {
+                Ok(got) => Some(got),
+                Err(RawMiss::Outside) => None,
+                Err(RawMiss::Interior) => {
+                    return Err(Error::UnknownPointer {
+                        ptr: addr,
+                        device: self.dev,
+                    })
+                }
+                Err(RawMiss::NotLive) => {
+                    return Err(Error::DoubleFree {
+                        ptr: addr,
+                        device: self.dev,
+                    })
+                }
+            },
+            None => None,
+        };
         // Private segments are heap ranges, never slabs: a small free pays
         // nothing for them.
         if slab.is_none() {
@@ -25,27 +44,18 @@ impl PoolShared {
                 return r;
             }
         }
-        if let Some(id) = slab {
-            let Some(slot) = self.slabs.slot_at(id, addr) else {
-                return Err(Error::UnknownPointer {
-                    ptr: addr,
-                    device: self.dev,
-                });
-            };
-            if !self.slabs.unmark_raw(slot.idx) {
-                return Err(Error::DoubleFree {
-                    ptr: addr,
-                    device: self.dev,
-                });
-            }
-            let requested = self.slabs.requested(slot.idx);
+        if let Some((slot, requested)) = slab {
             let kind = Kind::Small {
                 idx: slot.idx,
                 class: slot.class as u16,
             };
             // Only once the free is valid: a bad one changes nothing.
             let extra = self.take_recorded_streams(addr);
-            self.free_block(ptr, kind, requested, stream, &extra);
+            if !(extra.is_empty()
+                && self.free_small_front(ptr, slot.idx, slot.class as u16, requested, stream))
+            {
+                self.free_block(ptr, kind, requested, stream, &extra);
+            }
             return Ok(());
         }
         // The common case at once: a raw block freed on the stream that

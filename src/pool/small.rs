@@ -80,6 +80,18 @@ pub(crate) struct Slabs {
     slab_sizes: Box<[u64]>,
 }
 
+/// Why a raw free found no live raw slot at an address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RawMiss {
+    /// Not in the slab (a retired one, or past its end): not slab memory.
+    Outside,
+    /// Inside the slab but not at a slot's start.
+    Interior,
+    /// A slot's start with no raw allocation live: a double free, or a
+    /// typed block.
+    NotLive,
+}
+
 /// A slot index decoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct SlotRef {
@@ -140,7 +152,7 @@ impl Slabs {
         self.slab_sizes[class]
     }
 
-    #[inline]
+    #[inline(always)]
     fn header(&self, id: u32) -> &Slab {
         let chunk = self.chunks[id as usize / CHUNK]
             .get()
@@ -148,7 +160,7 @@ impl Slabs {
         &chunk[id as usize % CHUNK]
     }
 
-    #[inline]
+    #[inline(always)]
     fn arrays(&self, idx: u32) -> (&SlabArrays, usize) {
         let a = self
             .header(idx >> SLOT_BITS)
@@ -318,31 +330,54 @@ impl Slabs {
         Some(SlotRef { idx, class, addr })
     }
 
-    /// Remembers the requested size of the block at this slot.
-    #[inline]
-    pub(crate) fn set_requested(&self, idx: u32, requested: u64) {
+    /// Notes an allocation at slot `idx`: its requested size, and for a
+    /// raw one its live bit (one slab lookup for both).
+    #[inline(always)]
+    pub(crate) fn note_alloc(&self, idx: u32, requested: u64, raw: bool) {
         let (a, s) = self.arrays(idx);
         a.requested[s].store(requested as u32, Relaxed);
+        if raw {
+            a.raw_live[s / 64].fetch_or(1 << (s % 64), AcqRel);
+        }
+    }
+
+    /// The raw free of the block at `addr`, which the slab index placed
+    /// in slab `id`: the slot and the requested size of the live raw
+    /// allocation there, its live bit cleared (one header and one array
+    /// lookup).
+    #[inline]
+    pub(crate) fn free_raw_slot(&self, id: u32, addr: u64) -> Result<(SlotRef, u64), RawMiss> {
+        let h = self.header(id);
+        let base = h.base.load(Acquire);
+        let class = h.class.load(Relaxed) as usize;
+        if base == 0 || addr < base || addr - base >= self.slab_bytes(class) {
+            return Err(RawMiss::Outside);
+        }
+        let size = self.classes.size_of(class);
+        let off = addr - base;
+        if off % size != 0 || off / size >= h.nslots.load(Relaxed) as u64 {
+            return Err(RawMiss::Interior);
+        }
+        let s = (off / size) as usize;
+        let a = h
+            .arrays
+            .get()
+            .expect("slab arrays exist before its slots are used");
+        let bit = 1u64 << (s % 64);
+        if a.raw_live[s / 64].fetch_and(!bit, AcqRel) & bit == 0 {
+            return Err(RawMiss::NotLive);
+        }
+        let idx = id << SLOT_BITS | s as u32;
+        Ok((
+            SlotRef { idx, class, addr },
+            a.requested[s].load(Relaxed) as u64,
+        ))
     }
 
     /// Requested size of the block last allocated at this slot.
     pub(crate) fn requested(&self, idx: u32) -> u64 {
         let (a, s) = self.arrays(idx);
         a.requested[s].load(Relaxed) as u64
-    }
-
-    /// Marks a raw allocation live.
-    pub(crate) fn mark_raw(&self, idx: u32) {
-        let (a, s) = self.arrays(idx);
-        a.raw_live[s / 64].fetch_or(1 << (s % 64), AcqRel);
-    }
-
-    /// Clears a raw allocation's live bit; `false` if it was not live
-    /// (double free, or a pointer the raw API did not hand out).
-    pub(crate) fn unmark_raw(&self, idx: u32) -> bool {
-        let (a, s) = self.arrays(idx);
-        let bit = 1u64 << (s % 64);
-        a.raw_live[s / 64].fetch_and(!bit, AcqRel) & bit != 0
     }
 
     /// Whether a raw allocation is live at this slot.

@@ -9,6 +9,7 @@
 //! new high of its own and on every slow path, which makes them exact for
 //! single-threaded workloads and a lower bound otherwise.
 
+use super::thread_state::my_shard;
 use crossbeam_utils::CachePadded;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
 
@@ -106,61 +107,6 @@ pub struct PoolStats {
 
 /// Shards per pool.
 pub(crate) const SHARDS: usize = 64;
-
-/// Shard ids of threads that exited, for the next new threads: a process
-/// whose threads come and go (worker pools, a thread per request) keeps
-/// using owned shards instead of piling every thread past the first
-/// [`SHARDS`]` - 1` onto the shared one (measured before this: 4 KiB pairs
-/// fell from 120 M to 6 M operations per second once 63 threads had
-/// existed).
-static FREE_IDS: parking_lot::Mutex<Vec<usize>> = parking_lot::Mutex::new(Vec::new());
-static NEXT_THREAD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// This thread's shard id (`usize::MAX` until its first counter update),
-/// given back when the thread exits.
-struct ShardId(std::cell::Cell<usize>);
-
-impl Drop for ShardId {
-    fn drop(&mut self) {
-        let id = self.0.get();
-        if id < SHARDS - 1 {
-            // The mutex orders this thread's last plain stores to the
-            // shard before the next owner's first loads.
-            FREE_IDS.lock().push(id);
-        }
-    }
-}
-
-thread_local! {
-    static THREAD: ShardId = const { ShardId(std::cell::Cell::new(usize::MAX)) };
-}
-
-/// This thread's shard, and whether it owns it alone.
-#[inline]
-fn my_shard() -> (usize, bool) {
-    // `try_with`: during thread exit (magazines emptied by TLS destructors)
-    // this thread's id may be gone (and given to another thread); the
-    // shared shard then takes the update.
-    let n = THREAD
-        .try_with(|t| {
-            let v = t.0.get();
-            if v != usize::MAX {
-                return v;
-            }
-            let v = FREE_IDS
-                .lock()
-                .pop()
-                .unwrap_or_else(|| NEXT_THREAD.fetch_add(1, Relaxed));
-            t.0.set(v);
-            v
-        })
-        .unwrap_or(usize::MAX);
-    if n < SHARDS - 1 {
-        (n, true)
-    } else {
-        (SHARDS - 1, false)
-    }
-}
 
 /// The calling thread's counter shard: distinct among the first
 /// [`SHARDS`]` - 1` live threads, shared above (for sharding other
@@ -264,6 +210,19 @@ impl Counters {
     #[inline]
     pub(crate) fn on_alloc_from(&self, requested: u64, rounded: u64, magazine: bool) {
         let (i, own) = my_shard();
+        self.on_alloc_in((i, own), requested, rounded, magazine);
+    }
+
+    /// [`Counters::on_alloc_from`] in shard `i` (`own`: this thread owns
+    /// it), for a caller that knows its shard (a magazine caches it).
+    #[inline]
+    pub(crate) fn on_alloc_in(
+        &self,
+        (i, own): (usize, bool),
+        requested: u64,
+        rounded: u64,
+        magazine: bool,
+    ) {
         let s = &self.shards[i];
         if magazine {
             bump(&s.magazine, -(rounded as i64), own);
@@ -287,7 +246,18 @@ impl Counters {
     /// thread's magazine (one shard lookup for both counts).
     #[inline]
     pub(crate) fn on_free_to(&self, requested: u64, rounded: u64, magazine: bool) {
-        let (i, own) = my_shard();
+        self.on_free_in(my_shard(), requested, rounded, magazine);
+    }
+
+    /// [`Counters::on_free_to`] in shard `i` (see [`Counters::on_alloc_in`]).
+    #[inline]
+    pub(crate) fn on_free_in(
+        &self,
+        (i, own): (usize, bool),
+        requested: u64,
+        rounded: u64,
+        magazine: bool,
+    ) {
         let s = &self.shards[i];
         bump(&s.frees, 1, own);
         bump(&s.requested, -(requested as i64), own);
@@ -566,24 +536,6 @@ impl super::PoolShared {
             heap_lock_acquisitions: self.heap.acquisitions(),
             host_syncs: self.backend.counters().host_syncs_of(self.dev),
             ..self.counters.derive(&figures)
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn threads_that_come_and_go_keep_owning_their_shards() {
-        // Many more threads than shards, one after the other: each gets a
-        // shard of its own (ids of exited threads are reused), never the
-        // shared one that takes atomic adds.
-        for _ in 0..3 * SHARDS {
-            let own = std::thread::spawn(|| my_shard().1)
-                .join()
-                .expect("no panic");
-            assert!(own, "a new thread fell onto the shared shard");
         }
     }
 }
