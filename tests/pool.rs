@@ -1437,7 +1437,10 @@ fn the_small_fast_lane_keeps_every_check_and_count() {
     // Another pool's stream: refused, even with a slot of that stream at
     // hand, and nothing changes.
     assert!(matches!(d0.alloc(1000, &s1), Err(Error::InvalidHandle(_))));
-    assert!(matches!(d0.alloc_raw(1000, &s1), Err(Error::InvalidHandle(_))));
+    assert!(matches!(
+        d0.alloc_raw(1000, &s1),
+        Err(Error::InvalidHandle(_))
+    ));
     assert_eq!(d0.stats().num_allocs, 0);
 
     // Counts: live requested and rounded bytes while a block lives, none
@@ -1472,7 +1475,10 @@ fn the_small_fast_lane_keeps_every_check_and_count() {
     ));
     let b = d1.alloc(1000, &s1).unwrap();
     assert_eq!(b.ptr(), p);
-    assert!(matches!(d1.free_raw(b.ptr(), &s1), Err(Error::DoubleFree { .. })));
+    assert!(matches!(
+        d1.free_raw(b.ptr(), &s1),
+        Err(Error::DoubleFree { .. })
+    ));
     drop(b);
     d1.audit().unwrap();
 

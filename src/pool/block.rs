@@ -120,6 +120,16 @@ impl Drop for Block<'_> {
                 return;
             }
         }
+        self.free_general(w);
+    }
+}
+
+impl Block<'_> {
+    /// Every free the fast lane does not take (kept out of line, so that
+    /// the lane's few instructions stay in `drop`).
+    #[inline(never)]
+    fn free_general(&self, w: u64) {
+        let pool = &self.stream.inner.pool;
         // Dropped at the end, outside every pool lock: the last reference
         // to a recorded stream may destroy it (after its event is recorded).
         let extra: Vec<Arc<StreamCore>> = if w & Meta::RECORDED != 0 {

@@ -3,7 +3,7 @@
 //! recorded for it (`record_stream`). A bad pointer (unknown, interior,
 //! freed, a block's) is a typed error that changes nothing.
 
-use super::small::RawMiss;
+use super::small::{RawMiss, SlotRef};
 use super::*;
 
 impl PoolShared {
@@ -12,6 +12,37 @@ impl PoolShared {
         let id = self.slab_index.lookup(addr)?;
         let (base, class, _) = self.slabs.slab_info(id);
         (base != 0 && addr >= base && addr < base + self.slabs.slab_bytes(class)).then_some(id)
+    }
+
+    /// See [`DevicePool::free_raw_front`].
+    #[inline]
+    pub(super) fn free_raw_front(&self, ptr: DevicePtr, stream: &Stream) -> Option<()> {
+        if self.shut.load(Relaxed) || !std::ptr::eq(stream.pool_ptr(), self) {
+            return None;
+        }
+        let addr = ptr.addr();
+        let id = self.slab_index.lookup(addr)?;
+        // A miss changes nothing (the live bit is cleared only on a hit).
+        let (slot, requested) = self.slabs.free_raw_slot(id, addr).ok()?;
+        self.free_small_slot(ptr, slot, requested, stream);
+        Some(())
+    }
+
+    /// Frees a small slot whose raw allocation was just found live (and
+    /// its bit cleared).
+    #[inline]
+    fn free_small_slot(&self, ptr: DevicePtr, slot: SlotRef, requested: u64, stream: &Stream) {
+        // Only once the free is valid: a bad one changes nothing.
+        let extra = self.take_recorded_streams(ptr.addr());
+        if !(extra.is_empty()
+            && self.free_small_front(ptr, slot.idx, slot.class as u16, requested, stream))
+        {
+            let kind = Kind::Small {
+                idx: slot.idx,
+                class: slot.class as u16,
+            };
+            self.free_block(ptr, kind, requested, stream, &extra);
+        }
     }
 
     pub(super) fn free_raw(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
@@ -45,17 +76,7 @@ impl PoolShared {
             }
         }
         if let Some((slot, requested)) = slab {
-            let kind = Kind::Small {
-                idx: slot.idx,
-                class: slot.class as u16,
-            };
-            // Only once the free is valid: a bad one changes nothing.
-            let extra = self.take_recorded_streams(addr);
-            if !(extra.is_empty()
-                && self.free_small_front(ptr, slot.idx, slot.class as u16, requested, stream))
-            {
-                self.free_block(ptr, kind, requested, stream, &extra);
-            }
+            self.free_small_slot(ptr, slot, requested, stream);
             return Ok(());
         }
         // The common case at once: a raw block freed on the stream that
@@ -123,6 +144,7 @@ impl PoolShared {
 
     /// Removes and returns the streams recorded for the allocation at
     /// `addr` (none if there are none).
+    #[inline]
     pub(crate) fn take_recorded_streams(&self, addr: u64) -> Vec<Arc<StreamCore>> {
         // A record_stream happens before the free it orders (the caller's
         // contract), so a count of 0 read here means none for `addr`.
@@ -133,6 +155,11 @@ impl PoolShared {
         {
             return Vec::new();
         }
+        self.take_recorded_streams_listed(addr)
+    }
+
+    #[inline(never)]
+    fn take_recorded_streams_listed(&self, addr: u64) -> Vec<Arc<StreamCore>> {
         let mut m = self.recorded_streams.lock();
         let v = m.remove(&addr);
         if v.is_some() {

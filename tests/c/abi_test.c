@@ -560,7 +560,14 @@ int main(int argc, char **argv) {
         unsigned long long live1 = stat_now(1, "allocated_bytes", 1);
         EXPECT(gpupool_alloc_tagged(3 * MIB, 0, s0, 5, &t1), GPUPOOL_STATUS_OK, "");
         CHECK(t1 && (uintptr_t)t1 % (2 * MIB) == 0, "tagged ptr %p not granule aligned", t1);
-        /* A thread tag scope tags gpupool_alloc and the PyTorch hook. */
+        /* A thread tag scope tags gpupool_alloc and the PyTorch hook, also
+         * where the fast lane (this thread's last stream, a cached slot of
+         * the size) could serve them. */
+        {
+            void *warm = NULL;
+            EXPECT(gpupool_alloc(100, 1, s1, &warm), GPUPOOL_STATUS_OK, "");
+            EXPECT(gpupool_free(warm, 1, s1), GPUPOOL_STATUS_OK, "");
+        }
         EXPECT(gpupool_set_thread_tag(5), GPUPOOL_STATUS_OK, "");
         EXPECT(gpupool_alloc(100, 1, s1, &t2), GPUPOOL_STATUS_OK, "");
         t3 = gpupool_torch_malloc(5000, 0, NULL);
