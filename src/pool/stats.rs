@@ -9,7 +9,7 @@
 //! new high of its own and on every slow path, which makes them exact for
 //! single-threaded workloads and a lower bound otherwise.
 
-use super::thread_state::my_shard;
+use super::thread_state::{my_shard, SHARDS};
 use crossbeam_utils::CachePadded;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
 
@@ -103,17 +103,6 @@ pub struct PoolStats {
     pub host_syncs: u64,
     /// `(reserved - requested) / reserved`, 0 when nothing is reserved.
     pub fragmentation: f64,
-}
-
-/// Shards per pool.
-pub(crate) const SHARDS: usize = 64;
-
-/// The calling thread's counter shard: distinct among the first
-/// [`SHARDS`]` - 1` live threads, shared above (for sharding other
-/// per-thread state, `stream_large.rs`).
-#[inline]
-pub(crate) fn thread_index() -> usize {
-    my_shard().0
 }
 
 /// Adds to a counter: a plain load and store for a shard's only writer,

@@ -190,7 +190,7 @@ pub(crate) struct StreamLarge {
 /// The calling thread's shard in every part.
 #[inline]
 fn my_shard() -> usize {
-    super::stats::thread_index() % SHARDS
+    super::thread_state::thread_index() % SHARDS
 }
 
 impl StreamLarge {

@@ -15,9 +15,12 @@
 //!    so an id cached in a magazine is never used by two threads at once.
 
 use super::magazine::Ways;
-use super::stats::SHARDS;
 use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+/// Counter shards per pool (and shard ids in use at once, the last one
+/// shared).
+pub(crate) const SHARDS: usize = 64;
 
 /// Shard ids of threads that exited, for the next new threads: a process
 /// whose threads come and go (worker pools, a thread per request) keeps
@@ -82,6 +85,14 @@ pub(super) fn my_shard() -> (usize, bool) {
     } else {
         (SHARDS - 1, false)
     }
+}
+
+/// The calling thread's counter shard: distinct among the first
+/// [`SHARDS`]` - 1` live threads, shared above (for sharding other
+/// per-thread state, `stream_large.rs`).
+#[inline]
+pub(crate) fn thread_index() -> usize {
+    my_shard().0
 }
 
 #[cfg(test)]
