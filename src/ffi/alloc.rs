@@ -4,7 +4,7 @@
 //! A free of a pointer live on another device is reported as
 //! `GPUPOOL_STATUS_WRONG_DEVICE` naming the owner (`State::classify`).
 
-use super::state::{on_last_stream, with_state};
+use super::state::with_state;
 use super::status::{status, FResult, Fail};
 use crate::ptr::DevicePtr;
 use std::ffi::{c_int, c_void};
@@ -29,13 +29,7 @@ pub unsafe extern "C" fn gpupool_alloc(
         if out.is_null() {
             return Err(Fail::null("out"));
         }
-        if let Some(p) = alloc_front(size, device, stream) {
-            // SAFETY: `out` is non-NULL and valid for writes (caller's
-            // contract).
-            unsafe { out.write(p) };
-            return Ok(());
-        }
-        // SAFETY: as above.
+        // SAFETY: `out` is non-NULL and valid for writes (caller's contract).
         unsafe { out.write(std::ptr::null_mut()) };
         let p = with_state(|st| {
             st.with_stream(device, stream, |pool, s| {
@@ -59,31 +53,12 @@ pub extern "C" fn gpupool_free(ptr: *mut c_void, device: c_int, stream: *mut c_v
     status("gpupool_free", || free_impl(ptr, device, stream))
 }
 
-/// The fast lane of a raw allocation (`gpupool_alloc`, the torch hook): a
-/// small slot from this thread's front magazine of its last stream
-/// (`pool/magazine.rs`); `None` for the general path.
-#[inline]
-pub(super) fn alloc_front(size: usize, device: c_int, stream: *mut c_void) -> Option<*mut c_void> {
-    if super::pause::tagging() {
-        return None;
-    }
-    on_last_stream(device, stream, |pool, s| pool.alloc_raw_front(size, s))
-        .map(|p| p.addr() as usize as *mut c_void)
-}
-
 /// The body of `gpupool_free`, shared with `gpupool_torch_free`.
 pub(super) fn free_impl(ptr: *mut c_void, device: c_int, stream: *mut c_void) -> FResult<()> {
     if ptr.is_null() {
         return Err(Fail::null("ptr"));
     }
     let addr = ptr as usize as u64;
-    if on_last_stream(device, stream, |pool, s| {
-        pool.free_raw_front(DevicePtr(addr), s)
-    })
-    .is_some()
-    {
-        return Ok(());
-    }
     with_state(|st| {
         st.with_stream(device, stream, |pool, s| {
             pool.free_raw(DevicePtr(addr), s)

@@ -22,13 +22,6 @@ thread_local! {
     static THREAD_TAG: Cell<Option<u64>> = const { Cell::new(None) };
 }
 
-/// Whether this thread tags its raw allocations (they take the general
-/// path).
-#[inline]
-pub(super) fn tagging() -> bool {
-    THREAD_TAG.with(Cell::get).is_some()
-}
-
 /// A raw allocation, tagged with this thread's tag if one is set.
 pub(super) fn alloc_raw(pool: &DevicePool, size: usize, s: &Stream) -> Result<DevicePtr> {
     match THREAD_TAG.with(Cell::get) {

@@ -191,44 +191,6 @@ pub(super) fn with_state<T>(f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> 
     }
 }
 
-/// The fast lane of a call on this thread's last stream: `f` with that
-/// stream's pool and stream when `(device, handle)` still names it (same
-/// state generation and stream epoch, as in [`State::with_stream`]) and the
-/// call is not nested in another, under the call's read lock. `None`
-/// (also when `f` gives `None`) sends the caller to the general path,
-/// which makes every check's error: `f` must change nothing before it
-/// answers `None`, and it calls no callback (nothing is published in
-/// [`CURRENT`]).
-#[inline]
-pub(super) fn on_last_stream<T>(
-    device: c_int,
-    handle: *mut c_void,
-    f: impl FnOnce(&DevicePool, &Stream) -> Option<T>,
-) -> Option<T> {
-    let last = LAST_STREAM.with(Cell::get);
-    if last.stream.is_null()
-        || last.handle != handle as usize as u64
-        || last.device != device
-        || !CURRENT.with(Cell::get).is_null()
-    {
-        return None;
-    }
-    let g = GLOBAL.read().unwrap_or_else(PoisonError::into_inner);
-    let Global::Live(st) = &*g else {
-        return None;
-    };
-    let epoch = st.stream_epochs.get(usize::try_from(device).ok()?)?;
-    if last.generation != st.generation || epoch.load(Ordering::Acquire) != last.epoch {
-        return None;
-    }
-    // SAFETY: as in `State::with_stream`: recorded by this thread for this
-    // state (same generation), which our read lock keeps alive; the
-    // stream was not removed since (same epoch), or is not yet dropped
-    // (a grace period waits for this call).
-    let (pool, stream) = unsafe { (&*last.pool, &*last.stream) };
-    f(pool, stream)
-}
-
 /// Drops a stream removed by [`State::remove_stream`] after a grace period:
 /// a write lock of [`GLOBAL`], which waits for every call in flight (any of
 /// which may hold the stream through its thread's [`LAST_STREAM`]). From
@@ -413,6 +375,19 @@ impl State {
                 return f(pool, stream);
             }
         }
+        self.with_stream_looked_up(device, h, f)
+    }
+
+    /// [`State::with_stream`] past this thread's last stream: the device's
+    /// pool and its stream map (out of line, so that a call on the last
+    /// stream inlines only the check above).
+    #[inline(never)]
+    fn with_stream_looked_up<T>(
+        &self,
+        device: c_int,
+        h: u64,
+        f: impl FnOnce(&DevicePool, &Stream) -> FResult<T>,
+    ) -> FResult<T> {
         let pool = self.pool(device)?;
         let dev = pool.device();
         let remember = |stream: &Stream, epoch: u64| {

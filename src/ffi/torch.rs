@@ -38,9 +38,6 @@ pub extern "C" fn gpupool_torch_malloc(
         if size == 0 {
             return Ok(std::ptr::null_mut());
         }
-        if let Some(p) = super::alloc::alloc_front(size, device, stream) {
-            return Ok(p);
-        }
         let alloc = || {
             with_state(|st| {
                 st.with_stream(device, stream, |pool, s| {

@@ -395,22 +395,6 @@ impl DevicePool {
         }
     }
 
-    /// The fast lane of [`DevicePool::alloc_raw`] (the C ABI's): a small
-    /// slot from this thread's front magazine of `stream`, or `None` (and
-    /// nothing changed) for the general path.
-    #[inline]
-    pub(crate) fn alloc_raw_front(&self, size: usize, stream: &Stream) -> Option<DevicePtr> {
-        Some(self.shared.alloc_front(size as u64, stream, true)?.0)
-    }
-
-    /// The fast lane of [`DevicePool::free_raw`] (the C ABI's): frees a
-    /// live raw slot allocation; `None`, with nothing changed, for
-    /// anything else (the general path then frees it or names the error).
-    #[inline]
-    pub(crate) fn free_raw_front(&self, ptr: DevicePtr, stream: &Stream) -> Option<()> {
-        self.shared.free_raw_front(ptr, stream)
-    }
-
     /// Frees a pointer from [`DevicePool::alloc_raw`], ordered after the
     /// work enqueued so far on `stream` (and on streams recorded for it).
     pub fn free_raw(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {

@@ -14,23 +14,9 @@ impl PoolShared {
         (base != 0 && addr >= base && addr < base + self.slabs.slab_bytes(class)).then_some(id)
     }
 
-    /// See [`DevicePool::free_raw_front`].
-    #[inline]
-    pub(super) fn free_raw_front(&self, ptr: DevicePtr, stream: &Stream) -> Option<()> {
-        if self.shut.load(Relaxed) || !std::ptr::eq(stream.pool_ptr(), self) {
-            return None;
-        }
-        let addr = ptr.addr();
-        let id = self.slab_index.lookup(addr)?;
-        // A miss changes nothing (the live bit is cleared only on a hit).
-        let (slot, requested) = self.slabs.free_raw_slot(id, addr).ok()?;
-        self.free_small_slot(ptr, slot, requested, stream);
-        Some(())
-    }
-
     /// Frees a small slot whose raw allocation was just found live (and
-    /// its bit cleared). Out of line: one copy for both raw frees keeps
-    /// the magazine's fast lane inlined where a typed block drops.
+    /// its bit cleared). Out of line, so that the magazine's fast lane
+    /// stays inlined where a typed block drops (its other caller).
     #[inline(never)]
     fn free_small_slot(&self, ptr: DevicePtr, slot: SlotRef, requested: u64, stream: &Stream) {
         // Only once the free is valid: a bad one changes nothing.
