@@ -265,8 +265,9 @@ fn cli_fragment_report_has_the_contract_keys_and_meets_the_target() {
 }
 
 /// `--peers`: the same traffic runs through both modes of the PyTorch port
-/// after the pool's run, and the report sets them side by side with what
-/// each measured (the port takes its device mutex once per operation; the
+/// after the pool's run, and through no allocator at all (the harness's
+/// own ceiling), and the report sets them side by side with what each
+/// measured (the port takes its device mutex once per operation; the
 /// pool's own driver time excludes the harness's ordering events).
 #[test]
 fn peers_run_the_same_traffic_through_the_pytorch_port() {
@@ -276,8 +277,22 @@ fn peers_run_the_same_traffic_through_the_pytorch_port() {
     let r = run(&o, |_| {}).unwrap();
     assert!(r.passed(), "{r}");
     let names: Vec<&str> = r.peers.iter().map(|p| p.name).collect();
-    assert_eq!(names, ["torch", "torch_expandable"]);
-    for p in &r.peers {
+    assert_eq!(names, ["torch", "torch_expandable", "harness_only"]);
+    // The harness alone: the same traffic, with no allocator behind it.
+    let ceiling = &r.peers[2];
+    assert!(ceiling.ops >= 200 && ceiling.seconds >= 0.5, "{ceiling:?}");
+    assert!(ceiling.peak_live_bytes > 0, "{ceiling:?}");
+    assert_eq!(
+        (
+            ceiling.peak_reserved_bytes,
+            ceiling.ooms,
+            ceiling.false_ooms
+        ),
+        (0, 0, 0)
+    );
+    assert!(ceiling.driver_calls.is_empty() && ceiling.driver_ms == 0.0);
+    assert_eq!(ceiling.device_locks_per_op, 0.0);
+    for p in &r.peers[..2] {
         assert!(p.ops >= 200, "{p:?}");
         assert!(p.seconds >= 0.5, "{p:?}");
         assert!(

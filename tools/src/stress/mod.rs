@@ -25,12 +25,14 @@
 //! a cost of the simulator, not a host sync; runs without `verify` show the
 //! pool's own cost.
 
+mod peer;
 pub mod report;
 mod serving;
 mod training;
 mod worker;
 pub mod workload;
 
+pub use peer::{NoAllocator, StressPeer};
 pub use report::{DeviceStress, MemorySample, PeerStress, StressReport};
 pub use workload::Workload;
 
@@ -249,8 +251,16 @@ pub fn run(opts: &StressOptions, mut progress: impl FnMut(&Progress)) -> Result<
                 capacity_bytes: opts.capacity_bytes,
                 ..TorchConfig::default()
             };
-            peers.push(run_peer(opts, &rt, sim, &streams, name, cfg)?);
+            let port = TorchPeer::with_events(opts.devices, cfg, rt.backend());
+            peers.push(run_peer(
+                opts,
+                &rt,
+                sim,
+                &streams,
+                &peer::Torch { name, port: &port },
+            )?);
         }
+        peers.push(run_peer(opts, &rt, sim, &streams, &NoAllocator)?);
     }
     drop(streams);
     let counts = Counts {
@@ -264,17 +274,15 @@ pub fn run(opts: &StressOptions, mut progress: impl FnMut(&Progress)) -> Result<
     Ok(r)
 }
 
-/// The same traffic through the PyTorch port `cfg` (see [`PeerStress`]),
-/// on the streams of the pool run (the harness's own events go there).
+/// The same traffic through `peer` (see [`PeerStress`]), on the streams
+/// of the pool run (the harness's own events go there).
 fn run_peer(
     opts: &StressOptions,
     rt: &Runtime,
     sim: &SimBackend,
     streams: &[Vec<Stream>],
-    name: &'static str,
-    cfg: TorchConfig,
+    peer: &dyn StressPeer,
 ) -> Result<PeerStress> {
-    let peer = TorchPeer::with_events(opts.devices, cfg, rt.backend());
     let shared: Vec<DeviceShared> = (0..opts.devices).map(|_| DeviceShared::default()).collect();
     let stop = AtomicBool::new(false);
     let start = Instant::now();
@@ -282,7 +290,7 @@ fn run_peer(
         let mut handles = Vec::new();
         for (d, dev) in rt.devices().into_iter().enumerate() {
             for t in 0..opts.threads {
-                let (all, shared, stop, peer) = (&streams[d][..], &shared[d], &stop, &peer);
+                let (all, shared, stop) = (&streams[d][..], &shared[d], &stop);
                 let id = (d * opts.threads + t) as u64;
                 handles.push(sc.spawn(move || {
                     let r = thread_main(opts, dev, sim, all, t, id, shared, stop, Some(peer));
@@ -306,7 +314,7 @@ fn run_peer(
     let totals = per_thread.into_iter().collect::<Result<Vec<_>>>()?;
     let mut alloc_ns = worker::new_histogram();
     let mut p = PeerStress {
-        name,
+        name: peer.name(),
         seconds,
         ..Default::default()
     };
@@ -400,7 +408,7 @@ fn thread_main(
     id: u64,
     shared: &DeviceShared,
     stop: &AtomicBool,
-    peer: Option<&TorchPeer>,
+    peer: Option<&dyn StressPeer>,
 ) -> Result<ThreadTotals> {
     let mix = Mix {
         raw_percent: opts.raw_percent,

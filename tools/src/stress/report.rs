@@ -79,10 +79,11 @@ pub struct DeviceStress {
 /// the port frees those behind one event per such stream, queried at each
 /// `malloc` (PyTorch's `record_stream`, `trace::peers::torch_events`). Its
 /// addresses are simulated (no verify kernels, so its streams run
-/// lighter).
+/// lighter). Last, `harness_only`: no allocator (`stress::peer`), the
+/// most operations per second the harness itself allows.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct PeerStress {
-    /// `torch` or `torch_expandable`.
+    /// `torch`, `torch_expandable` or `harness_only`.
     pub name: &'static str,
     /// Wall time of the traffic in seconds.
     pub seconds: f64,

@@ -6,8 +6,8 @@
 //! backend sync), so every host-blocking sync the backend counts during a
 //! run was made by the pool.
 
+use super::peer::StressPeer;
 use super::workload::Rng;
-use crate::bench::torch_peer::TorchPeer;
 use gpupool::backend::sim::{SimBackend, VerifyResult};
 use gpupool::backend::Backend;
 use gpupool::pool::{Block, DevicePool, Stream};
@@ -30,7 +30,7 @@ pub(crate) fn new_histogram() -> Histogram<u64> {
 }
 
 /// The memory of an item: a RAII block or a raw pointer of the pool, or
-/// an address of the PyTorch port (a peer run).
+/// an address of a peer allocator (a peer run).
 pub(crate) enum Handle<'a> {
     Block(Block<'a>),
     Raw(DevicePtr),
@@ -117,7 +117,7 @@ pub(crate) struct Worker<'a> {
     pub(crate) dev: &'a DevicePool,
     /// In a peer run, the allocator every block comes from instead of
     /// `dev` (which then only names the device and its size classes).
-    peer: Option<&'a TorchPeer>,
+    peer: Option<&'a dyn StressPeer>,
     sim: &'a SimBackend,
     /// Every stream of the device.
     streams: &'a [Stream],
@@ -151,7 +151,7 @@ impl<'a> Worker<'a> {
         seed: u64,
         shared: &'a DeviceShared,
         stop: &'a AtomicBool,
-        peer: Option<&'a TorchPeer>,
+        peer: Option<&'a dyn StressPeer>,
     ) -> Result<Worker<'a>> {
         let events = streams
             .iter()
