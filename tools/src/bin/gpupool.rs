@@ -559,8 +559,9 @@ struct StressArgs {
     #[arg(long)]
     json: bool,
     /// Then run the same traffic through the PyTorch port (default and
-    /// expandable_segments), each for --duration, and report them side by
-    /// side (addresses simulated: no --verify there).
+    /// expandable_segments) and through no allocator (harness_only: the
+    /// most the harness allows), each for --duration, and report them side
+    /// by side (addresses simulated: no --verify there).
     #[arg(long)]
     peers: bool,
     /// Instead: fragment one simulated device with movable blocks (random
