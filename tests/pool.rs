@@ -1238,6 +1238,125 @@ fn a_recorded_small_block_returns_to_its_stream_behind_one_event() {
     dev.audit().unwrap();
 }
 
+/// PyTorch's `record_stream` rule for large blocks too: one event at the
+/// free, on the other stream only. The range waits for that stream; then
+/// the stream that freed it reuses it while its own work is still queued
+/// (stream order covers that), and another stream gets it only once an
+/// event on the freeing stream shows that work complete: a late kernel's
+/// pattern there survives. A stream that flushes covers what it owns.
+#[test]
+fn a_recorded_large_block_waits_on_the_other_stream_only() {
+    let rt = sim_runtime_with(PROBES_ON_DEMAND);
+    let dev = rt.device(0).unwrap();
+    let sim = sim_of(dev);
+    let (s1, s2, s3) = (
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+    );
+    // Whole granules: no range but the block's own is free once it is.
+    let size = 4 << 20;
+    let b = dev.alloc(size, &s1).unwrap();
+    let p = b.ptr();
+    // s1 writes the block, then reads it late: a stream handed the block
+    // before that read would overwrite what it reads.
+    sim.launch_write_pattern(0, s1.handle(), p, size as u64, 11, Duration::ZERO)
+        .unwrap();
+    let late_read = sim
+        .launch_verify_pattern(
+            0,
+            s1.handle(),
+            p,
+            size as u64,
+            11,
+            Duration::from_millis(400),
+        )
+        .unwrap();
+    b.record_stream(&s2);
+    sim.stall_stream(0, s2.handle(), Duration::from_millis(100))
+        .unwrap();
+    let records = RecordsSince::now(dev);
+    drop(b);
+    assert_eq!(records.count(), 1, "one event, on the other stream");
+    assert!(dev.stats().pending_bytes.current >= size as u64);
+    dev.audit().unwrap();
+    // s1 does not get it while s2's work is pending. (A request of
+    // another stream would flush s1, which covers the block: see below.)
+    let held = dev.alloc(size, &s1).unwrap();
+    assert_ne!(held.ptr(), p);
+    sim.sync_stream(0, s2.handle()).unwrap();
+    dev.harvest();
+    dev.audit().unwrap();
+    // s1's late read still runs: another stream does not get the range
+    // (it writes over what it got), s1 does.
+    let on_s3 = dev.alloc(size, &s3).unwrap();
+    sim.launch_write_pattern(0, s3.handle(), on_s3.ptr(), size as u64, 33, Duration::ZERO)
+        .unwrap();
+    assert_ne!(on_s3.ptr(), p, "handed to s3 before s1's work completed");
+    let on_s1 = dev.alloc(size, &s1).unwrap();
+    assert_eq!(on_s1.ptr(), p, "s1 reuses the range it freed");
+    assert_eq!(late_read.wait(), 0, "s1's late read saw its own bytes");
+    drop((on_s1, on_s3, held));
+    dev.audit().unwrap();
+
+    // Once an event on the freeing stream is seen complete, the range
+    // opens to every stream: the harvest's probe shows it. (A fresh pool:
+    // nothing else cached.)
+    let rt = sim_runtime_with(PROBES_ON_DEMAND);
+    let dev = rt.device(0).unwrap();
+    let sim = sim_of(dev);
+    let (s1, s2, s3) = (
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+    );
+    let b = dev.alloc(size, &s1).unwrap();
+    let q = b.ptr();
+    b.record_stream(&s2);
+    sim.stall_stream(0, s2.handle(), Duration::from_millis(50))
+        .unwrap();
+    let records = RecordsSince::now(dev);
+    drop(b);
+    // s2 is not done: the pass records a probe on s1 for the group.
+    dev.harvest();
+    assert_eq!(records.count(), 2, "the free's event on s2, a probe on s1");
+    sim.sync_stream(0, s1.handle()).unwrap();
+    sim.sync_stream(0, s2.handle()).unwrap();
+    dev.harvest();
+    assert_eq!(records.count(), 2);
+    let on_s3 = dev.alloc(size, &s3).unwrap();
+    assert_eq!(on_s3.ptr(), q, "clean once both streams' uses completed");
+    drop(on_s3);
+
+    // Trim flushes the freeing stream (one event covers what it owns) and
+    // waits for both streams before it gives memory back.
+    let b = dev.alloc(size, &s1).unwrap();
+    let r = b.ptr();
+    sim.launch_write_pattern(
+        0,
+        s1.handle(),
+        r,
+        size as u64,
+        12,
+        Duration::from_millis(100),
+    )
+    .unwrap();
+    let check = sim
+        .launch_verify_pattern(0, s1.handle(), r, size as u64, 12, Duration::ZERO)
+        .unwrap();
+    b.record_stream(&s2);
+    drop(b);
+    dev.trim().unwrap();
+    assert_eq!(
+        check.mismatches(),
+        Some(0),
+        "trim returned before s1's work"
+    );
+    assert_eq!(dev.stats().pending_bytes.current, 0);
+    assert_eq!(dev.stats().reserved_bytes.current, 0);
+    dev.audit().unwrap();
+}
+
 /// A stream that retires while a slot it freed still waits on another
 /// stream hands the slot to the pending list behind that stream's event
 /// and its own: a new stream (which may get the retired stream's slot

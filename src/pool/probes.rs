@@ -230,7 +230,7 @@ impl PoolShared {
         for &e in &w.events {
             self.host_sync_event(e)?;
         }
-        for s in &w.unrecorded {
+        for s in w.unrecorded.iter().chain(w.owner.as_ref().map(|o| &o.core)) {
             if !s.is_dead() {
                 self.host_sync_stream(s.handle)?;
             }
