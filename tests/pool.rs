@@ -1249,7 +1249,11 @@ fn a_recorded_large_block_waits_on_the_other_stream_only() {
     let rt = sim_runtime_with(PROBES_ON_DEMAND);
     let dev = rt.device(0).unwrap();
     let sim = sim_of(dev);
-    let [s1, s2, s3] = [(); 3].map(|_| dev.new_stream().unwrap());
+    let (s1, s2, s3) = (
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+    );
     // Whole granules: no range but the block's own is free once it is.
     let size = 4 << 20;
     let b = dev.alloc(size, &s1).unwrap();
@@ -1301,7 +1305,11 @@ fn a_recorded_large_block_waits_on_the_other_stream_only() {
     let rt = sim_runtime_with(PROBES_ON_DEMAND);
     let dev = rt.device(0).unwrap();
     let sim = sim_of(dev);
-    let [s1, s2, s3] = [(); 3].map(|_| dev.new_stream().unwrap());
+    let (s1, s2, s3) = (
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+    );
     let b = dev.alloc(size, &s1).unwrap();
     let q = b.ptr();
     b.record_stream(&s2);
