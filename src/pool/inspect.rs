@@ -140,10 +140,7 @@ impl PoolShared {
         let h = self.heap.lock_quiet();
         h.heap.check()?;
         let f = h.heap.figures();
-        // A listed group with no events is done and not yet walked (merged
-        // into its owner's flush, or completed on the host) only if none
-        // of the heap's ranges is in it.
-        let c = self.census(|id| h.group_events.contains_key(&id) || !h.heap.has_pending(id));
+        let c = self.census(|id| h.group_events.contains_key(&id));
         if let Some(p) = c.problem {
             return Err(p);
         }

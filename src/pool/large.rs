@@ -69,11 +69,9 @@ impl PoolShared {
         // harvested (queries only).
         let flush_others = {
             let h = self.heap.lock();
-            let (events, order) = (&h.group_events, &stream.core().order);
             h.heap.dirty_elsewhere_at_least(
                 stream.slot(),
                 len.saturating_sub(self.by_stream.parked_bytes()),
-                |id| events.get(&id).is_some_and(|w| !w.open_to(order)),
             )
         };
         if flush_others {
@@ -177,7 +175,7 @@ impl PoolShared {
         if let Some(t) = self.handover(h, len, stream, soon)? {
             return Ok(Some(t));
         }
-        let any = |w: &Waits| w.waitable_by(order);
+        let any = |w: &Waits| w.unrecorded.is_empty();
         if let Some(t) = self.handover(h, len, stream, any)? {
             return Ok(Some(t));
         }
@@ -244,9 +242,8 @@ impl PoolShared {
         let pending_ok = pending != PendingUse::None && self.handover_ok();
         if pending_ok {
             // A group with a stream whose event could not be recorded
-            // cannot be waited on (only `trim` releases it), nor one that
-            // another stream owns (`Waits::owner`): the heap must neither
-            // hand it over nor stitch its granules. Before growth,
+            // cannot be waited on (only `trim` releases it): the heap must
+            // neither hand it over nor stitch its granules. Before growth,
             // neither may a group behind a stream that is not draining.
             let (order, now) = (&stream.core().order, super::event_order::now_ns());
             let HeapState {
@@ -257,7 +254,7 @@ impl PoolShared {
                     .iter()
                     .filter(|(_, w)| match pending {
                         PendingUse::Draining => !w.drains_soon(order, now),
-                        _ => !w.waitable_by(order),
+                        _ => !w.unrecorded.is_empty(),
                     })
                     .map(|(&id, _)| id),
             );
@@ -268,11 +265,7 @@ impl PoolShared {
             // Grew while other streams sit on freed memory: have the
             // maintenance step make it reusable by all (a single-stream
             // workload never pays for this).
-            let (events, order) = (&h.group_events, &stream.core().order);
-            let owned_elsewhere = |id| events.get(&id).is_some_and(|w: &Waits| !w.open_to(order));
-            if h.heap
-                .dirty_elsewhere_at_least(stream.slot(), 1, owned_elsewhere)
-            {
+            if h.heap.dirty_elsewhere_at_least(stream.slot(), 1) {
                 self.flush_wanted.store(true, Relaxed);
             }
             self.counters
@@ -396,7 +389,6 @@ impl PoolShared {
                     marks: Vec::new(),
                     unrecorded: vec![stream.core().clone()],
                     promised: Default::default(),
-                    owner: None,
                 },
             };
             h.quarantine.push((waits, q));
@@ -419,7 +411,6 @@ impl PoolShared {
                     marks: Vec::new(),
                     unrecorded: vec![stream.core().clone()],
                     promised: Default::default(),
-                    owner: None,
                 },
             );
             self.pending.push(Pending::Group { id });

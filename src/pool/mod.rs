@@ -7,12 +7,11 @@
 //!  free(block)
 //!     ├─ used on its stream only ─► dirty[stream] / Dirty(stream) range: reusable
 //!     │                              at once by that stream
-//!     ├─ small, record_stream'd ─► promises on the other streams → back to
-//!     │                             dirty[stream] once probes cover them
-//!     └─ large, record_stream'd ─► events on the other streams → pending list →
-//!                                   Dirty(stream) once they complete (harvested
-//!                                   without blocking); the stream's next flush
-//!                                   (one event on it) opens it to every stream
+//!     ├─ small, record_stream'd ─► events on the other streams → back to
+//!     │                             dirty[stream] once they complete
+//!     └─ large, record_stream'd ─► events on every stream → pending list →
+//!                                   clean once they complete (harvested without
+//!                                   blocking) or handed over via stream-wait-event
 //! ```
 //!
 //! The fast path (a small alloc or free on a registered stream) is two
@@ -977,23 +976,9 @@ impl PoolShared {
                 }
                 // A free that waits on events records them before taking
                 // the heap lock: no driver call runs under it. The block is
-                // still allocated until the free below publishes it. As
-                // PyTorch's `record_stream`: events on the other streams
-                // only; stream order covers the freeing stream's own uses,
-                // for it alone, so the group is its own until its next
-                // flush (`pending::Waits::owner`).
-                let mut waits = (!own_stream_only && tagged != Some(true)).then(|| match slot {
-                    Some(s) if tagged.is_none() => {
-                        let mut w = self.record_events_on(extra);
-                        w.owner = Some(pending::Owner {
-                            slot: s,
-                            core: stream.core().clone(),
-                            mark: event_order::Mark::next(&stream.core().order),
-                        });
-                        w
-                    }
-                    _ => self.record_events(stream.core(), extra),
-                });
+                // still allocated until the free below publishes it.
+                let mut waits = (!own_stream_only && tagged != Some(true))
+                    .then(|| self.record_events(stream.core(), extra));
                 let mut h = self.heap.lock();
                 match slot {
                     // Paused: unmapped after a host wait, no use remains.

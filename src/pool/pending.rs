@@ -110,34 +110,6 @@ pub(crate) struct Waits {
     /// recorded later there covers them, or an event recorded when a
     /// stream must wait on them (handover).
     pub promised: Promises,
-    /// The stream that freed a large range used on other streams too, when
-    /// no event covers its own uses (PyTorch's `record_stream`: one event
-    /// per *other* stream). Stream order covers them for that stream
-    /// alone: it may take the range once the events complete. Any other
-    /// stream only once an event recorded on the owner after the free is
-    /// seen complete ([`Owner::done`]: the pool records events there for
-    /// other frees, probes and flushes, so this is often the case by the
-    /// time the events complete), or after the owner's next flush covers
-    /// its uses with an event (`PoolShared::flush_slot`), or a host sync of
-    /// the owner. A group completed before then returns to the owner as its
-    /// dirty memory.
-    pub owner: Option<Owner>,
-}
-
-/// The stream owning a pending heap group (see [`Waits::owner`]).
-#[derive(Debug, Clone)]
-pub(crate) struct Owner {
-    pub slot: u16,
-    pub core: Arc<StreamCore>,
-    /// The mark the owner's next event got at the free.
-    pub mark: Mark,
-}
-
-impl Owner {
-    /// Whether the owner's uses are known complete.
-    pub(crate) fn done(&self) -> bool {
-        self.mark.known_done()
-    }
 }
 
 impl Waits {
@@ -147,39 +119,12 @@ impl Waits {
         self.marks.push(mark);
     }
 
-    /// Adds everything `other` waits for. An owner of `other` is dropped:
-    /// the caller covers its uses with an event in `self` (a flush of that
-    /// stream).
+    /// Adds everything `other` waits for.
     pub(crate) fn absorb(&mut self, other: Waits) {
         self.events.extend(other.events);
         self.marks.extend(other.marks);
         self.unrecorded.extend(other.unrecorded);
         self.promised.extend(other.promised);
-    }
-
-    /// Whether the stream numbered by `order` may take memory behind these
-    /// waits at all: there is no owner, it is that stream, or its uses
-    /// are known complete.
-    pub(crate) fn open_to(&self, order: &Arc<EventOrder>) -> bool {
-        self.owner
-            .as_ref()
-            .is_none_or(|o| Arc::ptr_eq(&o.core.order, order) || o.done())
-    }
-
-    /// Where a group's ranges go once these waits complete: clean, or the
-    /// owner's dirty memory while its own uses are not known complete.
-    pub(crate) fn completes_to(&self) -> super::heap::Tag {
-        match &self.owner {
-            Some(o) if !o.done() => super::heap::Tag::Dirty(o.slot),
-            _ => super::heap::Tag::Clean,
-        }
-    }
-
-    /// Whether the stream numbered by `order` may wait on these uses on
-    /// the device (a handover): none is unrecorded and the memory is open
-    /// to it.
-    pub(crate) fn waitable_by(&self, order: &Arc<EventOrder>) -> bool {
-        self.unrecorded.is_empty() && self.open_to(order)
     }
 
     /// Whether the waits hold the same events and promises.
@@ -195,11 +140,10 @@ impl Waits {
 
     /// Whether new work on the stream numbered by `order` is already
     /// ordered after every use: each event was recorded on that stream or
-    /// is known complete, none is unrecorded, and the memory is open to
-    /// it. Such memory is that stream's to reuse with no wait at all
-    /// (stream order).
+    /// is known complete, and none is unrecorded. Such memory is that
+    /// stream's to reuse with no wait at all (stream order).
     pub(crate) fn ordered_before(&self, order: &Arc<EventOrder>) -> bool {
-        self.waitable_by(order)
+        self.unrecorded.is_empty()
             && self.marks.len() == self.events.len()
             && self.marks.iter().all(|m| {
                 m.as_ref()
@@ -214,10 +158,9 @@ impl Waits {
     /// Whether the stream numbered by `order` may wait on these uses
     /// before the pool grows: each event is that stream's own, known
     /// complete, or on a stream that is progressing
-    /// ([`EventOrder::progressing`] at `now`); none is unrecorded, and the
-    /// memory is open to it.
+    /// ([`EventOrder::progressing`] at `now`); none is unrecorded.
     pub(crate) fn drains_soon(&self, order: &Arc<EventOrder>, now: u64) -> bool {
-        self.waitable_by(order)
+        self.unrecorded.is_empty()
             && self.marks.len() == self.events.len()
             && self.marks.iter().all(|m| {
                 m.as_ref().is_some_and(|m| {

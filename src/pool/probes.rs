@@ -230,7 +230,7 @@ impl PoolShared {
         for &e in &w.events {
             self.host_sync_event(e)?;
         }
-        for s in w.unrecorded.iter().chain(w.owner.as_ref().map(|o| &o.core)) {
+        for s in &w.unrecorded {
             if !s.is_dead() {
                 self.host_sync_stream(s.handle)?;
             }

@@ -7,7 +7,7 @@
 
 use super::event_order::{Mark, Progress, Sweep};
 use super::heap::Tag;
-use super::pending::{Pending, Promise, Waits};
+use super::pending::{Pending, Waits};
 use super::{HeapState, PoolShared, Stream, StreamCore};
 use crate::error::{Error, Result};
 use crate::ptr::EventHandle;
@@ -93,17 +93,12 @@ impl PoolShared {
 
     /// Orders `stream` after everything in `w` on the device.
     pub(super) fn wait_on(&self, stream: &Stream, w: &Waits) -> Result<()> {
-        let order = &stream.core().order;
         if !w.unrecorded.is_empty() {
             return Err(Error::InvalidArgument(
                 "memory with unrecorded uses cannot be handed over".into(),
             ));
         }
-        if !w.open_to(order) {
-            return Err(Error::InvalidArgument(
-                "memory another stream freed with no event on it cannot be handed over".into(),
-            ));
-        }
+        let order = &stream.core().order;
         let wait = |e: EventHandle| -> Result<()> {
             self.outside_capture(|| self.backend.stream_wait_event(self.dev, stream.handle(), e))
                 .ok_or_else(|| self.capture_error("a handover"))?
@@ -256,7 +251,6 @@ impl PoolShared {
             }
         }
         if !groups.is_empty() {
-            self.settle_owners(&groups, &mut progress);
             // Every heap group of the pass under one lock.
             let mut h = self.heap.lock();
             for id in groups {
@@ -265,10 +259,8 @@ impl PoolShared {
                     .get(&id)
                     .is_none_or(|w| self.waits_done_in(w, &mut progress));
                 if done {
-                    let w = h.group_events.remove(&id);
-                    let tag = w.as_ref().map_or(Tag::Clean, Waits::completes_to);
-                    h.heap.complete_pending_as(id, tag);
-                    if let Some(w) = w {
+                    h.heap.complete_pending(id);
+                    if let Some(w) = h.group_events.remove(&id) {
                         self.recycle_events(w);
                     }
                     released += 1;
@@ -280,43 +272,6 @@ impl PoolShared {
         self.kept.put(kept);
         gate.update(epoch, progress);
         released
-    }
-
-    /// Learns whether the own uses of the owners of pending groups `ids`
-    /// (`Waits::owner`) completed, outside the heap lock: per owner stream,
-    /// its latest mark among them as a promise (`probes.rs`: an event of
-    /// the stream seen complete, or a probe recorded at most once per
-    /// interval). A group whose owner's uses are done completes clean,
-    /// open to every stream, instead of returning to its owner.
-    fn settle_owners(&self, ids: &[u32], progress: &mut Progress) {
-        let mut latest: smallvec::SmallVec<[Promise; 4]> = smallvec::SmallVec::new();
-        {
-            let h = self.heap.lock();
-            for o in ids
-                .iter()
-                .filter_map(|id| h.group_events.get(id)?.owner.as_ref())
-                .filter(|o| !o.done())
-            {
-                match latest
-                    .iter_mut()
-                    .find(|p| Arc::ptr_eq(&p.mark.order, &o.mark.order))
-                {
-                    Some(p) if p.mark.seq >= o.mark.seq => {}
-                    Some(p) => p.mark = o.mark.clone(),
-                    None => latest.push(Promise {
-                        core: o.core.clone(),
-                        mark: o.mark.clone(),
-                    }),
-                }
-            }
-        }
-        // A probe at most once per interval even on an allocation's path:
-        // the group is usable by its owner either way.
-        let urgent = progress.urgent;
-        for p in &latest {
-            self.promise_done_in(p, progress);
-        }
-        progress.urgent = urgent;
     }
 
     /// Whether no record is pending (racy: a hint for skipping work).
@@ -426,8 +381,7 @@ impl PoolShared {
 
     /// Moves the memory that stream slot `slot` freed onto the pending list,
     /// with one event recorded on that stream, so that other streams can
-    /// reuse it once the event completes; with it, the pending groups the
-    /// stream owns (`Waits::owner`), whose own uses that event covers.
+    /// reuse it once the event completes.
     pub(super) fn flush_slot(&self, slot: usize, core: &Arc<StreamCore>) {
         // Slots still waiting on other streams first (see `returning.rs`,
         // invariant 2): they join the stream's dirty slots, and their
@@ -474,62 +428,36 @@ impl PoolShared {
                 bytes,
             });
         }
-        let slot = slot as u16;
         let mut h = self.heap.lock();
-        for (_, addr) in self.by_stream.drain_slot(slot) {
+        for (_, addr) in self.by_stream.drain_slot(slot as u16) {
             h.heap
-                .free(addr, Tag::Dirty(slot))
+                .free(addr, Tag::Dirty(slot as u16))
                 .expect("parked ranges are allocated");
         }
-        // The groups this stream owns (`Waits::owner`): the flush's event
-        // covers its own uses of them, so they join its group, open to
-        // every stream once that event and their own complete.
-        let owned: Vec<u32> = h
-            .group_events
-            .iter()
-            .filter(|(_, w)| w.owner.as_ref().is_some_and(|o| o.slot == slot))
-            .map(|(&id, _)| id)
-            .collect();
-        let id = match h.heap.flush_dirty(slot) {
-            Some((id, _)) => id,
-            None if owned.is_empty() => return,
-            None => h.heap.new_pending_group(),
+        let Some((id, _)) = h.heap.flush_dirty(slot as u16) else {
+            return;
         };
-        let mut inherited = Waits::default();
-        if !owned.is_empty() {
-            // Their records, still listed, are done: the next harvest
-            // must walk (see `HarvestGate`).
-            self.kept.touch();
-        }
-        for g in owned {
-            h.heap.merge_pending(g, id);
-            if let Some(w) = h.group_events.remove(&g) {
-                inherited.absorb(w);
-            }
-        }
         // The event is recorded outside the heap lock (no driver call runs
         // under it). Until then the group reads as unrecorded on this
         // stream: nothing hands it over or steals its granules, and only a
-        // host sync of the stream and of what it inherited (the way to out
-        // of memory) completes it.
-        let mut placeholder = inherited.clone();
-        placeholder.unrecorded.push(core.clone());
-        h.insert_group(id, placeholder);
+        // host sync of the stream (the way to out of memory) completes it.
+        h.insert_group(
+            id,
+            Waits {
+                unrecorded: vec![core.clone()],
+                ..Waits::default()
+            },
+        );
         drop(h);
-        let mut waits = self.record_events(core, &[]);
+        let waits = self.record_events(core, &[]);
         let mut h = self.heap.lock();
         match h.group_events.get_mut(&id) {
             Some(w) => {
-                // The placeholder's copies of the inherited events go; the
-                // events themselves stay, in `waits`.
-                waits.absorb(inherited);
                 *w = waits;
                 drop(h);
                 self.pending.push(Pending::Group { id });
             }
-            // Completed on the host meanwhile, which recycled the
-            // placeholder's events (the inherited ones): only this flush's
-            // own are left.
+            // Completed on the host meanwhile.
             None => {
                 drop(h);
                 self.recycle_events(waits);
@@ -717,8 +645,6 @@ impl PoolShared {
                 if let Some(w) = heap.lock().group_events.get_mut(&id) {
                     w.unrecorded.clear();
                     w.promised.clear();
-                    // The host waited for the owner's work too: clean.
-                    w.owner = None;
                 }
                 Pending::Group { id }
             }

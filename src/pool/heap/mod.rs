@@ -303,24 +303,13 @@ impl Heap {
         .ok()
     }
 
-    /// Whether free memory that only a flush of other streams than `slot`
-    /// opens to it adds up to at least `bytes`: ranges tagged dirty there,
-    /// and pending groups `owned_elsewhere` says another stream owns
-    /// (`pending::Waits::owner`).
-    pub(crate) fn dirty_elsewhere_at_least(
-        &self,
-        slot: Option<u16>,
-        bytes: u64,
-        owned_elsewhere: impl Fn(u32) -> bool,
-    ) -> bool {
+    /// Whether free memory tagged dirty on stream slots other than `slot`
+    /// adds up to at least `bytes`.
+    pub(crate) fn dirty_elsewhere_at_least(&self, slot: Option<u16>, bytes: u64) -> bool {
         let sum: u64 = self
             .by_tag
             .iter()
-            .filter(|(t, _)| match t {
-                Tag::Dirty(s) => Some(*s) != slot,
-                Tag::Pending(id) => owned_elsewhere(*id),
-                Tag::Clean => false,
-            })
+            .filter(|(t, _)| matches!(t, Tag::Dirty(s) if Some(*s) != slot))
             .map(|(_, set)| set.bytes())
             .sum();
         sum >= bytes
@@ -669,36 +658,12 @@ impl Heap {
 
     /// Marks every range of pending group `id` clean (its events completed).
     pub(crate) fn complete_pending(&mut self, id: u32) {
-        self.complete_pending_as(id, Tag::Clean);
-    }
-
-    /// Retags every range of pending group `id` as `tag`: clean, or dirty
-    /// on the stream that owns the group (`pending::Waits::owner`).
-    pub(crate) fn complete_pending_as(&mut self, id: u32, tag: Tag) {
-        debug_assert!(!matches!(tag, Tag::Pending(_)));
         let Some(set) = self.by_tag.remove(&Tag::Pending(id)) else {
             return;
         };
         for (_, addr) in set.iter() {
             let r = self.by_addr.remove(addr).expect("indexed");
-            self.insert_free(addr, r.len, tag);
-        }
-    }
-
-    /// Whether any free range is in pending group `id`.
-    pub(crate) fn has_pending(&self, id: u32) -> bool {
-        self.by_tag.contains_key(&Tag::Pending(id))
-    }
-
-    /// Moves every range of pending group `from` into group `into` (a
-    /// flush of the stream that owns `from` covers its uses).
-    pub(crate) fn merge_pending(&mut self, from: u32, into: u32) {
-        let Some(set) = self.by_tag.remove(&Tag::Pending(from)) else {
-            return;
-        };
-        for (_, addr) in set.iter() {
-            let r = self.by_addr.remove(addr).expect("indexed");
-            self.insert_free(addr, r.len, Tag::Pending(into));
+            self.insert_free(addr, r.len, Tag::Clean);
         }
     }
 
