@@ -205,6 +205,31 @@ fn cli_json_report_has_the_contract_keys() {
         .unwrap();
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("inference"));
+
+    // `--cross-percent`: no block used on a second stream at 0, and a
+    // percentage past 100 refused.
+    let run = |pct: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_gpupool"))
+            .args([
+                "stress",
+                "--devices",
+                "1",
+                "--streams",
+                "4",
+                "--duration",
+                "0.3",
+            ])
+            .args(["--workload", "serving", "--cross-percent", pct, "--json"])
+            .env("GPUPOOL_LOG", "error")
+            .output()
+            .unwrap()
+    };
+    let none = run("0");
+    assert!(none.status.success());
+    let j: serde_json::Value = serde_json::from_slice(&none.stdout).unwrap();
+    assert!(j["ops"].as_u64().unwrap() > 0);
+    assert_eq!(j["cross_stream_uses"], 0);
+    assert!(!run("101").status.success());
 }
 
 /// `gpupool stress --fragment --json`: the compaction workload through the

@@ -558,6 +558,10 @@ struct StressArgs {
     /// Print JSON instead of text (hides the progress bar).
     #[arg(long)]
     json: bool,
+    /// Percent of blocks also used on a second stream of the device
+    /// (an event record, a stream wait and `record_stream`).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=100))]
+    cross_percent: u64,
     /// Then run the same traffic through the PyTorch port (default and
     /// expandable_segments) and through no allocator (harness_only: the
     /// most the harness allows), each for --duration, and report them side
@@ -672,6 +676,7 @@ fn stress(a: &StressArgs) -> Result<()> {
         capacity_bytes,
         config,
         peers: a.peers,
+        cross_percent: a.cross_percent,
         ..Default::default()
     };
     let bar = if a.json || !std::io::stderr().is_terminal() {
