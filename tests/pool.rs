@@ -1267,6 +1267,43 @@ fn a_new_slab_takes_other_streams_freed_memory_before_growing() {
     dev.audit().unwrap();
 }
 
+/// A stream's flush covers its small slots and its large ranges with one
+/// event, which both records share: each releases its memory once the
+/// event completes, and the event is reused only after both.
+#[test]
+fn a_flush_covers_small_and_large_memory_with_one_event() {
+    let rt = sim_runtime_with("thread_cache=false");
+    let dev = rt.device(0).unwrap();
+    let sim = sim_of(dev);
+    let s1 = dev.new_stream().unwrap();
+    let small: Vec<_> = (0..4).map(|_| dev.alloc(4096, &s1).unwrap()).collect();
+    let large = dev.alloc((4 * MIB) as usize, &s1).unwrap();
+    sim.stall_stream(0, s1.handle(), Duration::from_millis(200))
+        .unwrap();
+    drop(small);
+    drop(large);
+    let records = RecordsSince::now(dev);
+    // Flushes s1 (one event), then waits for it on the host.
+    let released = dev.trim().unwrap();
+    assert_eq!(records.count(), 1, "one event for both records");
+    let st = dev.stats();
+    assert_eq!(st.pending_bytes.current, 0, "both records completed");
+    assert_eq!(st.reserved_bytes.current, 0, "{released} B released");
+    dev.audit().unwrap();
+    // The shared event went back once: two streams' frees now take two
+    // events, none of them recorded twice at once.
+    let s2 = dev.new_stream().unwrap();
+    let a = dev.alloc((4 * MIB) as usize, &s1).unwrap();
+    let b = dev.alloc((4 * MIB) as usize, &s2).unwrap();
+    let c = dev.alloc(4096, &s1).unwrap();
+    drop((a, b, c));
+    let records = RecordsSince::now(dev);
+    dev.trim().unwrap();
+    assert_eq!(records.count(), 2);
+    assert_eq!(dev.stats().reserved_bytes.current, 0);
+    dev.audit().unwrap();
+}
+
 /// A stream that retires while a slot it freed still waits on another
 /// stream hands the slot to the pending list behind that stream's event
 /// and its own: a new stream (which may get the retired stream's slot

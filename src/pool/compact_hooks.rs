@@ -224,7 +224,7 @@ impl PoolShared {
 
     /// Returns an event to the pool (its capture is no longer needed).
     pub(crate) fn recycle_event(&self, e: EventHandle) {
-        self.event_pool.lock().push(e);
+        self.events.give_back(e);
     }
 
     /// Whether `e` completed, without blocking (an error counts as not yet).

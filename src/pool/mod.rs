@@ -27,6 +27,7 @@ mod capture;
 mod compact_hooks;
 mod counted_lock;
 mod event_order;
+mod event_pool;
 mod exact;
 mod granule_set;
 mod heap;
@@ -158,8 +159,8 @@ pub(crate) struct PoolShared {
     /// What the last harvest learned of the kept records; held for a whole
     /// harvest pass, so passes run one at a time.
     harvest_gate: Mutex<reclaim::HarvestGate>,
-    /// Idle events for reuse (a slow-path pool; a mutex is fine here).
-    event_pool: Mutex<Vec<EventHandle>>,
+    /// Idle events for reuse, and events pending records share.
+    events: event_pool::EventPool,
     streams: StreamRegistry,
     counters: Counters,
     /// Extra streams recorded for raw pointers (`gpupool_record_stream`)
@@ -286,7 +287,7 @@ impl DevicePool {
             pending: PendingList::new(),
             kept: reclaim::KeptRecords::default(),
             harvest_gate: Mutex::default(),
-            event_pool: Mutex::new(Vec::new()),
+            events: event_pool::EventPool::default(),
             streams: StreamRegistry::new(),
             counters: Counters::new(),
             recorded_streams: Mutex::new(HashMap::default()),
@@ -1075,7 +1076,7 @@ impl PoolShared {
 
     /// Records a pooled event on stream `s`.
     fn record_one(&self, s: StreamHandle) -> Result<EventHandle> {
-        let pooled = self.event_pool.lock().pop();
+        let pooled = self.events.take();
         let ev = match pooled {
             Some(e) => e,
             None => self.backend.create_event(self.dev)?,
@@ -1085,7 +1086,7 @@ impl PoolShared {
             .unless_capturing(s, || self.backend.record_event(self.dev, ev, s))
             .unwrap_or_else(|| Err(self.capture_error("an event record on a capturing stream")));
         if let Err(e) = r {
-            self.event_pool.lock().push(ev);
+            self.events.give_back(ev);
             return Err(e);
         }
         Ok(ev)

@@ -358,7 +358,7 @@ impl PoolShared {
             match self.record_on(c) {
                 Ok((ev, _)) => {
                     let r = self.host_sync_event(ev);
-                    self.event_pool.lock().push(ev);
+                    self.events.give_back(ev);
                     r?;
                 }
                 Err(_) => self.host_sync_stream(c.handle)?,

@@ -185,7 +185,7 @@ impl PoolShared {
             }
             done
         };
-        self.event_pool.lock().extend(done);
+        self.events.give_back_all(done);
         in_flight
     }
 
@@ -219,7 +219,7 @@ impl PoolShared {
         match self.record_on(core) {
             Ok((ev, Some(mark))) => self.add_probe(&mark, ev),
             // Recorded on the legacy stream: says nothing of this order.
-            Ok((ev, None)) => self.event_pool.lock().push(ev),
+            Ok((ev, None)) => self.events.give_back(ev),
             Err(e) => tracing::warn!(device = self.dev, "recording a probe failed: {e}"),
         }
     }
@@ -277,7 +277,7 @@ impl PoolShared {
             let probes = std::mem::take(&mut *order.probes.lock());
             for (_, ev) in probes {
                 let _ = self.host_sync_event(ev);
-                self.event_pool.lock().push(ev);
+                self.events.give_back(ev);
             }
         }
     }

@@ -86,9 +86,7 @@ impl PoolShared {
     }
 
     pub(super) fn recycle_events(&self, w: Waits) {
-        for e in w.events {
-            self.event_pool.lock().push(e);
-        }
+        self.events.give_back_all(w.events);
     }
 
     /// Orders `stream` after everything in `w` on the device.
@@ -128,7 +126,7 @@ impl PoolShared {
             match mark {
                 Some(mark) => self.add_probe(&mark, e),
                 // A queued wait keeps the event's state: it can be reused.
-                None => self.event_pool.lock().push(e),
+                None => self.events.give_back(e),
             }
             waited?;
         }
@@ -381,9 +379,34 @@ impl PoolShared {
 
     /// Moves the memory that stream slot `slot` freed onto the pending list,
     /// with one event recorded on that stream, so that other streams can
-    /// reuse it once the event completes.
+    /// reuse it once the event completes. Its two records (the small slots,
+    /// and the heap group) share that event (see `event_pool.rs`): both
+    /// are taken before it is recorded, so it covers both.
     pub(super) fn flush_slot(&self, slot: usize, core: &Arc<StreamCore>) {
-        // Slots still waiting on other streams first (see `returning.rs`,
+        // The heap's dirty ranges first, as a group that reads as
+        // unrecorded on this stream until the event is recorded (outside
+        // the heap lock: no driver call runs under it). Until then nothing
+        // hands it over or steals its granules, and only a host sync of the
+        // stream (the way to out of memory) completes it.
+        let group = {
+            let mut h = self.heap.lock();
+            for (_, addr) in self.by_stream.drain_slot(slot as u16) {
+                h.heap
+                    .free(addr, Tag::Dirty(slot as u16))
+                    .expect("parked ranges are allocated");
+            }
+            h.heap.flush_dirty(slot as u16).map(|(id, _)| {
+                h.insert_group(
+                    id,
+                    Waits {
+                        unrecorded: vec![core.clone()],
+                        ..Waits::default()
+                    },
+                );
+                id
+            })
+        };
+        // Slots still waiting on other streams (see `returning.rs`,
         // invariant 2): they join the stream's dirty slots, and their
         // waits the record's.
         let mut returned_waits = Waits::default();
@@ -392,7 +415,7 @@ impl PoolShared {
             returned.push((e.class, e.idx));
             returned_waits.absorb(e.waits);
         }
-        // Every class's dirty slots behind one event.
+        // Every class's dirty slots behind the one event.
         let parts: Vec<(u16, Vec<u32>)> = (0..self.slabs.classes.len())
             .map(|class| {
                 let mut idxs = self.slabs.take_dirty(class, slot);
@@ -406,63 +429,65 @@ impl PoolShared {
             })
             .filter(|(_, idxs)| !idxs.is_empty())
             .collect();
-        if !parts.is_empty() {
-            let bytes: u64 = parts
-                .iter()
-                .map(|(c, v)| v.len() as u64 * self.slabs.classes.size_of(*c as usize))
-                .sum();
-            let returned_bytes: u64 = returned
-                .iter()
-                .map(|&(c, _)| self.slabs.classes.size_of(c as usize))
-                .sum();
-            let mut waits = self.record_events(core, &[]);
-            waits.absorb(returned_waits);
-            // The returning slots were counted as pending already.
-            self.counters
-                .pending_slot_bytes
-                .fetch_add(bytes - returned_bytes, Relaxed);
-            self.counters.pending_frees.fetch_add(1, Relaxed);
-            self.pending.push(Pending::Classes {
-                parts,
-                waits,
-                bytes,
-            });
-        }
-        let mut h = self.heap.lock();
-        for (_, addr) in self.by_stream.drain_slot(slot as u16) {
-            h.heap
-                .free(addr, Tag::Dirty(slot as u16))
-                .expect("parked ranges are allocated");
-        }
-        let Some((id, _)) = h.heap.flush_dirty(slot as u16) else {
+        if parts.is_empty() && group.is_none() {
             return;
-        };
-        // The event is recorded outside the heap lock (no driver call runs
-        // under it). Until then the group reads as unrecorded on this
-        // stream: nothing hands it over or steals its granules, and only a
-        // host sync of the stream (the way to out of memory) completes it.
-        h.insert_group(
-            id,
-            Waits {
-                unrecorded: vec![core.clone()],
-                ..Waits::default()
-            },
-        );
-        drop(h);
+        }
         let waits = self.record_events(core, &[]);
-        let mut h = self.heap.lock();
-        match h.group_events.get_mut(&id) {
-            Some(w) => {
-                *w = waits;
-                drop(h);
-                self.pending.push(Pending::Group { id });
+        // Shared before the group publishes it: a holder that completes
+        // first must not make it idle under the other.
+        let both = group.is_some() && !parts.is_empty();
+        if both {
+            for &e in &waits.events {
+                self.events.share(e, 2);
             }
-            // Completed on the host meanwhile.
-            None => {
-                drop(h);
+        }
+        // The group's waits, if it is still pending (a host sync may have
+        // completed it meanwhile).
+        let published = group.filter(|id| {
+            let mut h = self.heap.lock();
+            let Some(w) = h.group_events.get_mut(id) else {
+                return false;
+            };
+            *w = Waits {
+                events: waits.events.clone(),
+                marks: waits.marks.clone(),
+                unrecorded: waits.unrecorded.clone(),
+                promised: Default::default(),
+            };
+            true
+        });
+        match published {
+            Some(id) => self.pending.push(Pending::Group { id }),
+            // Its hold goes with it.
+            None if both => self.events.give_back_all(waits.events.iter().copied()),
+            None => {}
+        }
+        if parts.is_empty() {
+            if published.is_none() {
                 self.recycle_events(waits);
             }
+            return;
         }
+        let mut slot_waits = waits;
+        let bytes: u64 = parts
+            .iter()
+            .map(|(c, v)| v.len() as u64 * self.slabs.classes.size_of(*c as usize))
+            .sum();
+        let returned_bytes: u64 = returned
+            .iter()
+            .map(|&(c, _)| self.slabs.classes.size_of(c as usize))
+            .sum();
+        slot_waits.absorb(returned_waits);
+        // The returning slots were counted as pending already.
+        self.counters
+            .pending_slot_bytes
+            .fetch_add(bytes - returned_bytes, Relaxed);
+        self.counters.pending_frees.fetch_add(1, Relaxed);
+        self.pending.push(Pending::Classes {
+            parts,
+            waits: slot_waits,
+            bytes,
+        });
     }
 
     /// Flushes the dirty memory of every live stream (see `flush_slot`).

@@ -75,12 +75,10 @@ impl PoolShared {
                 }
             }
             for (_, w) in h.group_events.drain() {
-                for e in w.events {
-                    self.event_pool.lock().push(e);
-                }
+                self.recycle_events(w);
             }
         }
-        for e in std::mem::take(&mut *self.event_pool.lock()) {
+        for e in self.events.drain() {
             let _ = self.backend.destroy_event(self.dev, e);
         }
         let captured = self.capture.clear();
