@@ -476,6 +476,72 @@ fn event_errors_during_frees_and_harvest() {
     });
 }
 
+/// A stream's flush covers its small slots and its large ranges with one
+/// event that both pending records share (`event_pool.rs`). Whether that
+/// record succeeds or fails, and with failing queries after it, another
+/// stream reuses the memory only after the freeing stream's last use: its
+/// late verify kernels find their patterns intact.
+#[test]
+fn a_shared_flush_event_orders_reuse_under_event_faults() {
+    watchdog("shared flush", WATCHDOG, || {
+        let rt = runtime(64 * MIB);
+        let sim = sim_of(&rt);
+        let dev = rt.device(0).unwrap();
+        let s0 = dev.new_stream().unwrap();
+        let s1 = dev.new_stream().unwrap();
+        let sizes = [4096usize, 16 << 10, (2 * MIB) as usize, (4 * MIB) as usize];
+        let mut verifies = Vec::new();
+        let mut handovers = 0;
+        for k in 0..=3u64 {
+            let blocks: Vec<Block> = sizes.iter().map(|&n| dev.alloc(n, &s0).unwrap()).collect();
+            for (i, b) in blocks.iter().enumerate() {
+                let seed = k << 8 | i as u64;
+                let p = pat(b.size());
+                sim.launch_write_pattern(0, s0.handle(), b.ptr(), p, seed, Duration::ZERO)
+                    .unwrap();
+                // The last use runs well after the free.
+                verifies.push(
+                    sim.launch_verify_pattern(
+                        0,
+                        s0.handle(),
+                        b.ptr(),
+                        p,
+                        seed,
+                        Duration::from_millis(20),
+                    )
+                    .unwrap(),
+                );
+            }
+            drop(blocks);
+            let before = dev.stats().num_handovers;
+            // s1's first request misses and flushes s0 (the shared event),
+            // whose record fails for k > 0 (and queries after it, k > 1).
+            sim.fail_next_event_ops(0, k).unwrap();
+            let mut tmp = Vec::new();
+            for &n in sizes.iter().rev() {
+                let b = dev.alloc(n, &s1).unwrap();
+                sim.launch_write_pattern(0, s1.handle(), b.ptr(), pat(n), !k, Duration::ZERO)
+                    .unwrap();
+                tmp.push(b);
+            }
+            sim.fail_next_event_ops(0, 0).unwrap();
+            dev.harvest();
+            handovers += dev.stats().num_handovers - before;
+            drop(tmp);
+        }
+        sync_all(sim, dev, &[&s0, &s1]);
+        let bad: u64 = verifies.iter().map(|v| v.wait()).sum();
+        assert_eq!(bad, 0, "memory was reused before its last use");
+        assert!(handovers > 0, "no flushed memory was handed over");
+        dev.audit().unwrap();
+        eprintln!(
+            "faults::shared_flush: 4 rounds (0..=3 failing event ops), {handovers} handovers, \
+             {bad} integrity errors, 0 leaks"
+        );
+        assert_no_leak(&rt, "shared flush");
+    });
+}
+
 // ---- shared worker for stalls and event delays -------------------------------------------
 
 #[derive(Default)]

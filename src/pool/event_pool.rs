@@ -65,7 +65,10 @@ impl EventPool {
                 return;
             }
         }
-        self.idle.lock().push(e);
+        let mut idle = self.idle.lock();
+        // Invariant 1 (a few dozen events at most are ever created).
+        debug_assert!(!idle.contains(&e), "event {e:?} given back twice");
+        idle.push(e);
     }
 
     /// Gives back every event of `events` (see [`EventPool::give_back`]).
