@@ -109,6 +109,7 @@ impl<'a> Block<'a> {
 }
 
 impl Drop for Block<'_> {
+    #[inline]
     fn drop(&mut self) {
         let w = *self.meta.get_mut();
         let pool = &self.stream.inner.pool;

@@ -74,6 +74,9 @@ impl Rack {
 /// The magazine of one (thread, stream).
 pub(super) struct Magazine {
     stream: Weak<StreamInner>,
+    /// `stream`'s address, compared on the fast lane (`Weak::as_ptr`
+    /// checks for a dangling pointer first).
+    stream_addr: usize,
     pool: Weak<PoolShared>,
     slot: u16,
     /// This thread's counter shard (`thread_state.rs`, invariant 2).
@@ -94,6 +97,7 @@ impl Magazine {
         inner.mag_holders.fetch_add(1, AcqRel);
         Magazine {
             stream: Arc::downgrade(inner),
+            stream_addr: Arc::as_ptr(inner) as usize,
             pool: Arc::downgrade(&inner.pool),
             slot: inner.slot.expect("magazines are for streams with a slot"),
             shard: my_shard(),
@@ -111,7 +115,9 @@ impl Magazine {
 
     #[inline]
     fn is_of(&self, stream: &Stream) -> bool {
-        std::ptr::eq(self.stream.as_ptr(), Arc::as_ptr(&stream.inner))
+        // The weak reference keeps the allocation, so no other stream
+        // has this address while the magazine exists.
+        self.stream_addr == Arc::as_ptr(&stream.inner) as usize
     }
 
     /// Moves the oldest `n` slots of `class` to the stream's dirty stack

@@ -73,7 +73,7 @@ pub(crate) struct Slabs {
     pub classes: SizeClasses,
     pub stacks: Box<[ClassStacks]>,
     /// Slab headers by id, in lazily allocated chunks.
-    chunks: Box<[OnceLock<Box<[Slab]>>]>,
+    chunks: Box<[OnceLock<Box<[Slab; CHUNK]>>]>,
     /// Slab ids handed out so far (high-water mark).
     used_ids: AtomicU32,
     /// Slab bytes per class.
@@ -261,8 +261,13 @@ impl Slabs {
                 if id as usize / CHUNK >= self.chunks.len() {
                     return None;
                 }
-                self.chunks[id as usize / CHUNK]
-                    .get_or_init(|| (0..CHUNK).map(|_| Slab::default()).collect());
+                self.chunks[id as usize / CHUNK].get_or_init(|| {
+                    (0..CHUNK)
+                        .map(|_| Slab::default())
+                        .collect::<Box<[_]>>()
+                        .try_into()
+                        .expect("CHUNK headers")
+                });
                 self.used_ids.store(id + 1, Relaxed);
                 id
             }

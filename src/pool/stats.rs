@@ -136,7 +136,7 @@ pub(crate) struct Shard {
 /// All counters of one pool.
 #[derive(Debug)]
 pub(crate) struct Counters {
-    shards: Box<[CachePadded<Shard>]>,
+    shards: Box<[CachePadded<Shard>; SHARDS]>,
     pub peak_requested: AtomicU64,
     pub peak_allocated: AtomicU64,
     pub peak_active: AtomicU64,
@@ -166,7 +166,9 @@ impl Counters {
         Counters {
             shards: (0..SHARDS)
                 .map(|_| CachePadded::new(Shard::default()))
-                .collect(),
+                .collect::<Box<[_]>>()
+                .try_into()
+                .expect("SHARDS shards"),
             peak_requested: AtomicU64::new(0),
             peak_allocated: AtomicU64::new(0),
             peak_active: AtomicU64::new(0),
@@ -212,7 +214,7 @@ impl Counters {
         rounded: u64,
         magazine: bool,
     ) {
-        let s = &self.shards[i];
+        let s = self.shard(i);
         if magazine {
             bump(&s.magazine, -(rounded as i64), own);
         }
@@ -247,7 +249,7 @@ impl Counters {
         rounded: u64,
         magazine: bool,
     ) {
-        let s = &self.shards[i];
+        let s = self.shard(i);
         bump(&s.frees, 1, own);
         bump(&s.requested, -(requested as i64), own);
         bump(&s.allocated, -(rounded as i64), own);
@@ -256,11 +258,18 @@ impl Counters {
         }
     }
 
+    /// Shard `i` (a shard id, below [`SHARDS`]: the mask only spares the
+    /// bounds check on the fast path).
+    #[inline(always)]
+    fn shard(&self, i: usize) -> &Shard {
+        &self.shards[i & (SHARDS - 1)]
+    }
+
     /// Counts bytes entering (+) or leaving (-) this thread's magazines.
     #[inline]
     pub(crate) fn on_magazine(&self, delta: i64) {
         let (i, own) = my_shard();
-        bump(&self.shards[i].magazine, delta, own);
+        bump(&self.shard(i).magazine, delta, own);
     }
 
     /// Bytes held in all threads' magazines.

@@ -40,11 +40,13 @@ fn main() -> gpupool::Result<()> {
                 .maintenance(false)
                 .build()?;
             let dev = rt.device(0)?;
+            // Decided once: the loop measures the door, not a name compare.
+            let typed = door == "rust_api";
             std::thread::scope(|sc| {
                 let run = || -> gpupool::Result<()> {
                     let s = dev.new_stream()?;
                     for _ in 0..n {
-                        if door == "rust_api" {
+                        if typed {
                             black_box(dev.alloc(SIZE, &s)?.ptr());
                         } else {
                             let p = dev.alloc_raw(SIZE, &s)?;
@@ -61,6 +63,7 @@ fn main() -> gpupool::Result<()> {
             let conf = c"backend=sim,devices=1,backing=accounting,capacity=8GiB,maint_ms=0";
             // SAFETY: a NUL-terminated string that outlives the call.
             assert_eq!(unsafe { gpupool_init(conf.as_ptr()) }, 0);
+            let c_abi = door == "c_abi";
             std::thread::scope(|sc| {
                 for _ in 0..threads {
                     sc.spawn(|| {
@@ -70,7 +73,7 @@ fn main() -> gpupool::Result<()> {
                         // SAFETY: `s` is valid for one pointer write.
                         assert_eq!(unsafe { gpupool_stream_create(0, &mut s) }, 0);
                         for _ in 0..n {
-                            if door == "c_abi" {
+                            if c_abi {
                                 let mut p = std::ptr::null_mut();
                                 // SAFETY: `p` is valid for one pointer write.
                                 assert_eq!(unsafe { gpupool_alloc(SIZE, 0, s, &mut p) }, 0);
