@@ -54,6 +54,7 @@ pub extern "C" fn gpupool_free(ptr: *mut c_void, device: c_int, stream: *mut c_v
 }
 
 /// The body of `gpupool_free`, shared with `gpupool_torch_free`.
+#[inline]
 pub(super) fn free_impl(ptr: *mut c_void, device: c_int, stream: *mut c_void) -> FResult<()> {
     if ptr.is_null() {
         return Err(Fail::null("ptr"));

@@ -23,6 +23,7 @@ thread_local! {
 }
 
 /// A raw allocation, tagged with this thread's tag if one is set.
+#[inline]
 pub(super) fn alloc_raw(pool: &DevicePool, size: usize, s: &Stream) -> Result<DevicePtr> {
     match THREAD_TAG.with(Cell::get) {
         Some(tag) => pool.alloc_raw_tagged(size, s, tag),

@@ -398,6 +398,7 @@ impl DevicePool {
 
     /// Frees a pointer from [`DevicePool::alloc_raw`], ordered after the
     /// work enqueued so far on `stream` (and on streams recorded for it).
+    #[inline]
     pub fn free_raw(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
         self.shared.free_raw(ptr, stream)
     }

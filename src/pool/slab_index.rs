@@ -114,11 +114,24 @@ impl SlabIndex {
                     return None;
                 }
                 let u = ((addr - base) / MIN_SLAB) as usize;
-                let v = Self::leaf(leaves, u / LEAF, false)?[u % LEAF].load(Acquire);
+                let p = leaves.get(u / LEAF)?.load(Acquire);
+                if p.is_null() {
+                    return None;
+                }
+                // SAFETY: as in `leaf`: a non-null leaf is freed only in
+                // Drop (`&mut self`), so it outlives this borrow of `self`.
+                let v = unsafe { &*p }[u % LEAF].load(Acquire);
                 v.checked_sub(1)
             }
-            SlabIndex::Tree(t) => t.read().range(..=addr).next_back().map(|(_, &id)| id),
+            SlabIndex::Tree(t) => Self::lookup_tree(t, addr),
         }
+    }
+
+    /// [`SlabIndex::lookup`] without a reservation (out of line: the
+    /// table is the fast path).
+    #[inline(never)]
+    fn lookup_tree(t: &RwLock<BTreeMap<u64, u32>>, addr: u64) -> Option<u32> {
+        t.read().range(..=addr).next_back().map(|(_, &id)| id)
     }
 }
 
