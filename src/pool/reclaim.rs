@@ -12,7 +12,6 @@ use super::{HeapState, PoolShared, Stream, StreamCore};
 use crate::error::{Error, Result};
 use crate::ptr::EventHandle;
 use parking_lot::Mutex;
-use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
@@ -534,26 +533,28 @@ impl PoolShared {
     }
 
     /// Returns every slab whose slots are all on its class's clean stack to
-    /// the heap.
+    /// the heap. The other clean slots go back in the order they were
+    /// taken (the stack's reuse order is kept).
     pub(super) fn retire_empty_slabs(&self) -> u64 {
         let mut h = self.heap.lock();
         let mut freed = 0;
+        let mut ids: Vec<u32> = Vec::new();
+        let mut retired: Vec<u32> = Vec::new();
         for class in 0..self.slabs.classes.len() {
-            let clean = self.slabs.take_clean(class);
+            let mut clean = self.slabs.take_clean(class);
             if clean.is_empty() {
                 continue;
             }
-            let mut per_slab: HashMap<u32, Vec<u32>> = HashMap::default();
-            for idx in clean {
-                per_slab
-                    .entry(self.slabs.slab_of(idx))
-                    .or_default()
-                    .push(idx);
-            }
-            let mut keep = Vec::new();
-            for (id, idxs) in per_slab {
+            // Clean slots per slab, by sorting their slab ids (a slot
+            // index holds its slab id): no map, no list per slab.
+            ids.clear();
+            ids.extend(clean.iter().map(|&i| self.slabs.slab_of(i)));
+            ids.sort_unstable();
+            retired.clear();
+            for run in ids.chunk_by(|a, b| a == b) {
+                let id = run[0];
                 let (base, c, n) = self.slabs.slab_info(id);
-                if idxs.len() as u32 == n && c == class {
+                if run.len() as u32 == n && c == class {
                     self.slab_index.remove(base, self.slabs.slab_bytes(class));
                     self.slabs.retire(id);
                     h.free_slab_ids[class].push(id);
@@ -563,11 +564,14 @@ impl PoolShared {
                     h.slab_bytes -= self.slabs.slab_bytes(class);
                     h.slab_tail_bytes -= self.slabs.tail_bytes(class);
                     freed += self.slabs.slab_bytes(class);
-                } else {
-                    keep.extend(idxs);
+                    retired.push(id);
                 }
             }
-            self.slabs.push_clean(class, &keep);
+            if !retired.is_empty() {
+                // `retired` is sorted: its ids came in `ids`' order.
+                clean.retain(|&i| retired.binary_search(&self.slabs.slab_of(i)).is_err());
+            }
+            self.slabs.push_clean(class, &clean);
         }
         freed
     }
