@@ -1412,57 +1412,6 @@ fn one_probe_per_stream_covers_many_recorded_frees() {
     dev.audit().unwrap();
 }
 
-/// A large free used on another stream records one event, there (as
-/// PyTorch does); its own stream's uses are covered by a promise, not a
-/// second event. Another stream still gets the range only after both
-/// streams' work.
-#[test]
-fn a_recorded_large_free_records_one_event_and_waits_for_its_own_stream_too() {
-    let rt = sim_runtime_with(PROBES_ON_DEMAND);
-    let dev = rt.device(0).unwrap();
-    let sim = sim_of(dev);
-    let (s1, s2, s3) = (
-        dev.new_stream().unwrap(),
-        dev.new_stream().unwrap(),
-        dev.new_stream().unwrap(),
-    );
-    let size = (3 * MIB) as usize;
-    // s1's first such free gets a probe (the stream was quiet); the
-    // interval is long, so the next free has none.
-    let warm = dev.alloc(size, &s1).unwrap();
-    warm.record_stream(&s2);
-    drop(warm);
-    sim.sync_stream(0, s1.handle()).unwrap();
-    sim.sync_stream(0, s2.handle()).unwrap();
-    dev.harvest();
-    let b = dev.alloc(size, &s1).unwrap();
-    let p = b.ptr();
-    b.record_stream(&s2);
-    sim.stall_stream(0, s1.handle(), Duration::from_millis(300))
-        .unwrap();
-    let records = RecordsSince::now(dev);
-    drop(b);
-    assert_eq!(records.count(), 1, "an event on s2 only");
-    // s2 is done, s1 is not: the range stays pending.
-    sim.sync_stream(0, s2.handle()).unwrap();
-    assert_eq!(dev.harvest(), 0, "s1's work is pending");
-    assert!(dev.stats().pending_bytes.current >= size as u64);
-    let x = dev.alloc(size, &s3).unwrap();
-    assert_ne!(x.ptr(), p, "handed out before s1's work completed");
-    // Once s1's work (and the probe recorded behind it) has run, the
-    // range is clean for any stream.
-    sim.sync_stream(0, s1.handle()).unwrap();
-    let mut released = dev.harvest();
-    sim.sync_stream(0, s1.handle()).unwrap();
-    released += dev.harvest();
-    assert_eq!(released, 1);
-    assert_eq!(dev.stats().pending_bytes.current, 0);
-    let y = dev.alloc(size, &s3).unwrap();
-    assert_eq!(y.ptr(), p);
-    drop((x, y));
-    dev.audit().unwrap();
-}
-
 /// A framework stream, wrapped, released while a free holds a promise on
 /// it that no probe covers yet, then destroyed: its release records the
 /// probe while the handle is valid, and the memory comes back after its

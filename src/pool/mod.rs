@@ -996,17 +996,8 @@ impl PoolShared {
                 // A free that waits on events records them before taking
                 // the heap lock: no driver call runs under it. The block is
                 // still allocated until the free below publishes it.
-                let mut waits = (!own_stream_only && tagged != Some(true)).then(|| match slot {
-                    // The stream's own uses through a promise (its next
-                    // flush or probe covers it), the recorded streams'
-                    // through events, as PyTorch records them.
-                    Some(_) => {
-                        let mut w = self.waits_on(&[stream.core()]);
-                        w.absorb(self.record_events_on(extra));
-                        w
-                    }
-                    None => self.record_events(stream.core(), extra),
-                });
+                let mut waits = (!own_stream_only && tagged != Some(true))
+                    .then(|| self.record_events(stream.core(), extra));
                 let mut h = self.heap.lock();
                 match slot {
                     // Paused: unmapped after a host wait, no use remains.

@@ -6,9 +6,8 @@
 //! stream before those streams' uses complete. PyTorch records one event
 //! per stream at every such free. Here a small slot's free (`returning.rs`)
 //! takes a *promise* on each ordinary stream instead ([`Mark::promise`];
-//! a large block's free takes one on its own stream only, and records
-//! events on the others: with promises there too, a 600 s soak's reserved
-//! memory kept growing): the number the stream's
+//! a large block's free still records events: with promises there, a
+//! 600 s soak's reserved memory kept growing): the number the stream's
 //! next recorded event will get. Every event recorded on the stream after
 //! the free comes after the free's uses there, so the first one recorded
 //! and found complete completes the promise, and every other promise made
