@@ -307,7 +307,11 @@ int gpupool_stream_release(int device, void *stream);
  * rounded sizes, those plus freed blocks not yet reusable, device memory
  * held. `plan` holds the learned steps' figures (`PlanStats`: `plans`,
  * `served`, `misses`, `departures`, `arena_bytes`, ...; see
- * `gpupool_mark_step`). See the buffer protocol in the header's preamble,
+ * `gpupool_mark_step`). `driver_calls` counts the backend's driver calls
+ * by CUDA name (`{"cuEventRecord": N, ...}`, zero counts left out; the
+ * backend's, so every device it drives) and `driver_host_syncs` its
+ * host-blocking waits: read it twice around a workload to see what a
+ * steady state costs the driver. See the buffer protocol in the header's preamble,
  * and `gpupool_memory_stats_json` for PyTorch's flat layout.
  *
  * # Safety

@@ -287,6 +287,12 @@ impl Runtime {
         (0..self.pools.len()).map(|d| self.device(d)).collect()
     }
 
+    /// The pool of `dev` if it has been built (`None` for a device not
+    /// used yet, or out of range): never builds one.
+    pub fn built_device(&self, dev: usize) -> Option<&DevicePool> {
+        self.pools.get(dev).and_then(OnceLock::get)
+    }
+
     /// The pools built so far (devices used), by device index.
     pub fn active_devices(&self) -> Vec<&DevicePool> {
         self.pools.iter().filter_map(OnceLock::get).collect()

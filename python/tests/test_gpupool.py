@@ -129,6 +129,9 @@ def test_bad_input_raises_value_error_and_changes_nothing(pool):
         gpupool.alloc(1.5)
     with pytest.raises(TypeError):
         gpupool.alloc(True)
+    # Nothing changed, no driver call included (stats' driver_calls count
+    # the backend's calls on every device: a free presented to device 1
+    # must not build device 1's pool).
     assert gpupool.stats(0) == before
     gpupool.free(p)
     with pytest.raises(ValueError, match="double free") as e:

@@ -503,6 +503,27 @@ impl State {
             .map(|p| p.device())
     }
 
+    /// For calls on a pointer (free, record_stream): fails as an unknown
+    /// (or wrong-device) pointer when `device`'s pool was never built, so
+    /// that a pointer presented to the wrong device builds no pool there
+    /// (bad input changes nothing, no driver call included).
+    #[inline]
+    pub(super) fn require_built(&self, device: c_int, addr: u64) -> FResult<()> {
+        match usize::try_from(device) {
+            Ok(d) if d < self.rt.device_count() && self.rt.built_device(d).is_none() => Err(self
+                .classify(
+                    Error::UnknownPointer {
+                        ptr: addr,
+                        device: d,
+                    },
+                    addr,
+                    d,
+                )),
+            // Built, or invalid: `pool` reports the invalid device.
+            _ => Ok(()),
+        }
+    }
+
     /// Turns an unknown-pointer error into a wrong-device one when the
     /// pointer is live on another device.
     pub(super) fn classify(&self, e: Error, addr: u64, dev: usize) -> Fail {

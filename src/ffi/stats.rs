@@ -16,7 +16,11 @@ use std::ffi::{c_char, c_int};
 /// rounded sizes, those plus freed blocks not yet reusable, device memory
 /// held. `plan` holds the learned steps' figures (`PlanStats`: `plans`,
 /// `served`, `misses`, `departures`, `arena_bytes`, ...; see
-/// `gpupool_mark_step`). See the buffer protocol in the header's preamble,
+/// `gpupool_mark_step`). `driver_calls` counts the backend's driver calls
+/// by CUDA name (`{"cuEventRecord": N, ...}`, zero counts left out; the
+/// backend's, so every device it drives) and `driver_host_syncs` its
+/// host-blocking waits: read it twice around a workload to see what a
+/// steady state costs the driver. See the buffer protocol in the header's preamble,
 /// and `gpupool_memory_stats_json` for PyTorch's flat layout.
 ///
 /// # Safety
@@ -34,6 +38,9 @@ pub unsafe extern "C" fn gpupool_stats_json(device: c_int, buf: *mut c_char, len
             };
             let mut v = serde_json::to_value(pool.stats()).map_err(ser)?;
             v["plan"] = serde_json::to_value(pool.plan_stats()).map_err(ser)?;
+            let calls = pool.backend().counters();
+            v["driver_calls"] = serde_json::to_value(calls.nonzero_calls()).map_err(ser)?;
+            v["driver_host_syncs"] = calls.host_syncs.into();
             serde_json::to_string(&v).map_err(ser)
         })?;
         // SAFETY: `buf` is NULL or valid for `len` bytes (caller's contract).
