@@ -73,7 +73,7 @@ pub struct PoolConfig {
     /// active bytes during the last busy period.
     pub release_fraction: f64,
     /// Modeled latency of each driver call, for the driver time the
-    /// reports give (`driver_costs=<file>`, `cost.<call>=<µs>`; see
+    /// reports give (`driver_costs=h200|published|<file>`, `cost.<call>=<µs>`; see
     /// [`CostTable`]).
     pub driver_costs: CostTable,
     /// The most device memory a pool holds (`max_bytes=`; `None`: no limit
@@ -212,7 +212,7 @@ impl PoolConfig {
         ),
         (
             "driver_costs",
-            "path of a JSON cost file (as `gpupool bench --gpu --calibrate` writes) replacing the published driver-call costs it names",
+            "driver-call costs the reports charge: `h200` (measured on an H200), `published` (default), or the path of a JSON cost file (as `gpupool bench --gpu --calibrate` writes) replacing the published costs it names",
         ),
         (
             "cost.<call>",
@@ -327,8 +327,8 @@ impl PoolConfig {
                 }
                 "initial_bytes" => c.initial_bytes = parse_size(value).map_err(bad)?,
                 "driver_costs" => {
-                    c.driver_costs = CostTable::load(std::path::Path::new(value))
-                        .map_err(|e| bad(e.to_string()))?
+                    c.driver_costs =
+                        CostTable::named_or_load(value).map_err(|e| bad(e.to_string()))?
                 }
                 k if k.starts_with("cost.") => cost_keys.push((key, value)),
                 _ => {

@@ -37,7 +37,8 @@
 //!
 //! # Overrides and calibration
 //!
-//! `GPUPOOL_CONF` key `driver_costs=<path>` loads a cost file (JSON, the
+//! `GPUPOOL_CONF` key `driver_costs=h200` charges the figures measured on
+//! an H200 ([`CostTable::h200`]); `driver_costs=<path>` loads a cost file (JSON, the
 //! shape [`CostTable::to_json`] writes, which is also what
 //! `gpupool bench --gpu --calibrate <path>` writes from measurements on a
 //! real device, see [`calibrate`]); the kinds it names replace the
@@ -200,6 +201,25 @@ impl CostTable {
         CostTable {
             costs,
             source: "published (docs/BENCHMARKS.md, Driver cost model)".into(),
+        }
+    }
+
+    /// Figures measured on one real device: an NVIDIA H200 (driver 580,
+    /// CUDA 13), 2026-12-04, by `gpupool bench --gpu --calibrate`
+    /// (`src/backend/costs/nvidia-h200.json`; `driver_costs=h200` in
+    /// `GPUPOOL_CONF`). Every kind is measured, none estimated.
+    pub fn h200() -> CostTable {
+        CostTable::from_json(include_str!("costs/nvidia-h200.json"))
+            .expect("the bundled H200 cost file parses (tested)")
+    }
+
+    /// A table by name (`published`, `h200`) or, for any other value, from
+    /// the cost file at that path: what `driver_costs=` takes.
+    pub fn named_or_load(value: &str) -> Result<CostTable> {
+        match value {
+            "published" => Ok(CostTable::published()),
+            "h200" => Ok(CostTable::h200()),
+            path => CostTable::load(std::path::Path::new(path)),
         }
     }
 
@@ -752,6 +772,30 @@ mod tests {
             );
         }
         assert!(CostTable::load(std::path::Path::new("/nonexistent/costs.json")).is_err());
+    }
+
+    #[test]
+    fn the_h200_table_names_every_kind_and_is_chosen_by_name() {
+        let t = CostTable::h200();
+        assert!(t.source().contains("H200"), "{}", t.source());
+        let file: CostFile = serde_json::from_str(include_str!("costs/nvidia-h200.json")).unwrap();
+        for &c in Call::ALL {
+            assert!(
+                file.costs.contains_key(c.name()),
+                "{} not measured",
+                c.name()
+            );
+        }
+        // Measured, so unlike the published estimates: a map costs more
+        // than an event record, an access grant far less than a map.
+        assert!(t.cost(Call::Map).us > 10.0 * t.cost(Call::EventRecord).us);
+        assert!(t.cost(Call::SetAccess).micros(Call::SetAccess, 1, 1) < t.cost(Call::Map).us);
+        assert!(same(&CostTable::named_or_load("h200").unwrap(), &t));
+        assert!(same(
+            &CostTable::named_or_load("published").unwrap(),
+            &CostTable::published()
+        ));
+        assert!(CostTable::named_or_load("/nonexistent/h100.json").is_err());
     }
 
     #[test]
