@@ -47,9 +47,11 @@
 #      so Gloo: NCCL refuses two ranks on one GPU);
 #   9. cupy: python/examples/cupy_check.py, gpupool.cupy (skips, passing,
 #      where CuPy is not installed);
+#  10. torch_pairs: python/examples/torch_pairs.py, the host cost of a
+#      torch.empty + release pair under each allocator;
 # and writes logs, summary.txt and gpu-check.json (every step's pass/fail,
 # seconds, test counts, the libraries loaded and each step's figures) to
-# $OUT (or gpu-out/ when $OUT is unset).
+# gpu-out/, and the summary, the JSON and a tarball of gpu-out/ to $OUT.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bundle="$repo/gpu-bundle"
@@ -90,7 +92,11 @@ for line in sys.stdin:
 }
 
 run() {
-    out=${OUT:-$repo/gpu-out}
+    # Logs go to gpu-out/ (git-ignored); where the device tool's $OUT is
+    # set, three files go back through it (it returns at most eight):
+    # summary.txt, gpu-check.json and gpu-out.tgz with everything.
+    out=$repo/gpu-out
+    rm -rf "$out"
     mkdir -p "$out" "$out/reports"
     cd "$repo"
     export GPUPOOL_REQUIRE_CUDA=1 RUST_BACKTRACE=1 GPUPOOL_REPORT_DIR="$out/reports"
@@ -190,6 +196,7 @@ PY
     check ddp 120 python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
         python/examples/ddp.py --steps 30 --out "$out/ddp.json"
     check_json cupy 60 python3 python/examples/cupy_check.py
+    check_json torch_pairs 90 python3 python/examples/torch_pairs.py
     unset GPUPOOL_LIB
     rm -rf "$GPUPOOL_TORCH_SHIM_DIR"
     grep -h "test result" "$out"/*.log | tee -a "$summary"
@@ -230,12 +237,17 @@ summary = {
     "torch_checks": load(os.path.join(out, "torch_checks.json")),
     "ddp": load(os.path.join(out, "ddp.json")),
     "cupy": load(os.path.join(out, "cupy.json")),
+    "torch_pairs": load(os.path.join(out, "torch_pairs.json")),
 }
 with open(os.path.join(out, "gpu-check.json"), "w") as f:
     json.dump(summary, f, indent=1)
 print("gpu-check.json:", "PASS" if summary["passed"] else "FAIL",
       ", ".join(f"{s['name']}={s['result']}" for s in steps))
 PY
+    if [ -n "${OUT:-}" ]; then
+        cp "$out/summary.txt" "$out/gpu-check.json" "$OUT/" 2>/dev/null
+        tar czf "$OUT/gpu-out.tgz" -C "$repo" gpu-out
+    fi
     exit $status
 }
 

@@ -13,6 +13,8 @@ Allocators (``--allocators``, a comma list; default
 gpupool,pytorch,pytorch-expandable):
 
   gpupool             gpupool.torch.install(): the C++ shim
+  gpupool-step        the shim, with gpupool.mark_step() after each
+                      optimizer step (the learned step plan)
   gpupool-python      gpupool.torch.install(shim=False): PyTorch's Python
                       CUDAPluggableAllocator over gpupool_torch_malloc/free
   pytorch             PyTorch's caching allocator, default settings
@@ -51,14 +53,14 @@ def skip(reason: str) -> None:
     sys.exit(0)
 
 
-ALLOCATORS = ("gpupool", "gpupool-python", "pytorch", "pytorch-expandable")
+ALLOCATORS = ("gpupool", "gpupool-step", "gpupool-python", "pytorch", "pytorch-expandable")
 
 
 def child(args) -> dict:
-    if args.allocator in ("gpupool", "gpupool-python"):
+    if args.allocator in ("gpupool", "gpupool-step", "gpupool-python"):
         import gpupool.torch
 
-        gpupool.torch.install(shim=args.allocator == "gpupool")
+        gpupool.torch.install(shim=args.allocator != "gpupool-python")
     elif args.allocator == "pytorch-expandable":
         # Read when PyTorch's allocator starts (the first CUDA allocation).
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -87,36 +89,86 @@ def child(args) -> dict:
     loss_fn = nn.CrossEntropyLoss()
     gen = torch.Generator(device="cpu").manual_seed(1)
     times = []
+    host_times = []
     loss_val = float("nan")
-    for step in range(args.steps):
-        # Variable batch shapes exercise the allocator like real data does.
-        b = batch if step % 3 else batch // 2
-        x = torch.randint(0, vocab, (b, seq + 1), generator=gen).to(dev, non_blocking=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    gp_stats = None
+    if args.allocator.startswith("gpupool"):
+        import gpupool
+
+        gp_stats = gpupool.stats
+    mark_step = args.allocator == "gpupool-step"
+    calls_before = calls_late = None
+    late = max(args.warmup, args.steps * 3 // 4)
+
+    def train_step(x):
         out = model(x[:, :-1])
         loss = loss_fn(out.reshape(-1, vocab), x[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if mark_step:
+            gpupool.mark_step()
+        return loss
+
+    for step in range(args.steps):
+        if step == args.warmup and gp_stats:
+            calls_before = gp_stats(0)["driver_calls"]
+        if step == late and gp_stats:
+            calls_late = gp_stats(0)["driver_calls"]
+        # Variable batch shapes exercise the allocator like real data does.
+        b = batch if step % 3 else batch // 2
+        x = torch.randint(0, vocab, (b, seq + 1), generator=gen).to(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = train_step(x)
+        t_host = time.perf_counter()
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+            host_times.append(t_host - t0)
         loss_val = loss.item()
+    profile = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.profile):
+                train_step(x)
+            torch.cuda.synchronize()
+        ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+        profile = [{"op": e.key, "calls_per_step": e.count / args.profile,
+                    "self_cpu_us_per_step": e.self_cpu_time_total / args.profile}
+                   for e in ev]
     times.sort()
     report = {
         "allocator": args.allocator,
         "steps": args.steps,
         "step_ms": 1e3 * sum(times) / max(len(times), 1),
         "step_ms_p50": 1e3 * times[len(times) // 2] if times else None,
+        # Host time to enqueue a step (before its synchronize): where an
+        # allocator's own cost shows when the GPU is not the bottleneck.
+        "host_ms": 1e3 * sum(host_times) / max(len(host_times), 1),
         "final_loss": loss_val,
         "device": torch.cuda.get_device_name(dev),
     }
+    if profile is not None:
+        report["profile"] = profile
     if args.allocator.startswith("gpupool"):
         import gpupool
 
         flat = gpupool.memory_stats(0)
         st = gpupool.stats(0)
+        after = st["driver_calls"]
+        # Driver calls per timed step, by name: a pool in steady state
+        # makes none.
+        def per_step(before, steps):
+            before = before or {}
+            return {k: (v - before.get(k, 0)) / max(steps, 1)
+                    for k, v in sorted(after.items()) if v - before.get(k, 0)}
+
+        report["driver_calls_per_step"] = per_step(calls_before, len(times))
+        # The last quarter alone: whether the pool has settled.
+        report["driver_calls_per_step_last_quarter"] = per_step(calls_late, args.steps - late)
         report.update(
             num_allocs=st["num_allocs"],
             num_device_allocs=st["num_device_allocs"],
@@ -125,7 +177,7 @@ def child(args) -> dict:
         )
         if args.snapshot:
             gpupool.dump_snapshot(args.snapshot)
-        if args.allocator == "gpupool":
+        if args.allocator != "gpupool-python":
             # Through the shim PyTorch's own call reports gpupool's figure.
             report["torch_max_memory_allocated"] = torch.cuda.max_memory_allocated(dev)
             report["torch_agrees"] = (
@@ -157,6 +209,9 @@ def main() -> None:
     ap.add_argument("--allocator", choices=ALLOCATORS + ("both",),
                     help="run this one in this process (both: gpupool,pytorch, as before)")
     ap.add_argument("--snapshot", help="gpupool's run: write a memory_viz pickle here")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="then profile N more steps (torch.profiler, host side): the "
+                    "ops with the most self CPU time go in each run's report")
     ap.add_argument("--out", help="also write the JSON report to this file")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     args = ap.parse_args()
@@ -181,7 +236,7 @@ def main() -> None:
     runs = []
     for which in which_all:
         cmd = [sys.executable, __file__, "--allocator", which]
-        for k in ("steps", "warmup", "batch", "seq", "layers"):
+        for k in ("steps", "warmup", "batch", "seq", "layers", "profile"):
             cmd += [f"--{k}", str(getattr(args, k))]
         cmd += ["--d-model", str(args.d_model)]
         if which == "gpupool" and args.snapshot:
@@ -203,6 +258,7 @@ def main() -> None:
         report["vs_pytorch"] = {
             name: {
                 "step_time_ratio": ratio(r, "step_ms"),
+                "host_time_ratio": ratio(r, "host_ms"),
                 "peak_allocated_ratio": ratio(r, "peak_allocated_bytes"),
                 "peak_requested_ratio": ratio(r, "peak_requested_bytes"),
                 "peak_reserved_ratio": ratio(r, "peak_reserved_bytes"),

@@ -117,17 +117,22 @@ def cuda_conf(conf: Optional[str] = None) -> str:
     """The configuration :func:`install` runs with: ``conf`` (default
     ``$GPUPOOL_CONF``) with ``backend=cuda``. ``backend=sim`` raises
     :class:`ValueError`; ``backend=auto`` or none becomes ``backend=cuda``
-    (auto would fall back to the simulator without a driver)."""
+    (auto would fall back to the simulator without a driver).
+
+    Unless ``conf`` names it, ``stitch_budget=1``: PyTorch marks no steps,
+    so without a budget the pool restitches (a map and an unmap per
+    granule) on every step of a training loop whose shapes vary, which
+    cost real step time on an H200 (docs/BENCHMARKS.md §7)."""
     conf = conf if conf is not None else os.environ.get("GPUPOOL_CONF", "")
     backend = _conf_backend(conf)
-    if backend == "cuda":
-        return conf
-    if backend not in (None, "", "auto"):
+    if backend not in (None, "", "auto", "cuda"):
         raise ValueError(
             f"gpupool.torch.install: GPUPOOL_CONF {conf!r} has backend={backend}; PyTorch's "
             "allocator must be gpupool's CUDA backend (backend=cuda), never the simulator"
         )
     items = [i for i in conf.split(",") if i.strip() and i.partition("=")[0].strip() != "backend"]
+    if not any(i.partition("=")[0].strip() == "stitch_budget" for i in items):
+        items.append("stitch_budget=1")
     return ",".join(["backend=cuda"] + items)
 
 
