@@ -48,6 +48,14 @@ pub struct PoolConfig {
     /// instead; 0: always steal while stealing serves. See
     /// `pool/heap/stitch.rs`.
     pub stitch_budget: f64,
+    /// The most share of wall time the large path may spend stealing
+    /// (stitching), at the modeled cost of a map, an unmap and an access
+    /// grant per granule (`driver_costs`); past it, a request that would
+    /// steal grows device memory instead. 0 (the default): no limit.
+    /// `gpupool.torch.install()` sets 0.01: a PyTorch loop marks no steps,
+    /// and one whose shapes vary restitched every step on an H200 (see
+    /// `pool/heap/stitch_share.rs`, docs/BENCHMARKS.md §7).
+    pub stitch_share: f64,
     /// Least time between two probes on one stream for `record_stream`'d
     /// frees, outside an allocation's slow path (see `pool/probes.rs`).
     pub probe_interval: Duration,
@@ -98,6 +106,7 @@ impl Default for PoolConfig {
             handover: true,
             thread_cache: true,
             stitch_budget: 0.0,
+            stitch_share: 0.0,
             probe_interval: Duration::from_micros(500),
             idle: None,
             compact_max_bytes: 256 << 20,
@@ -157,6 +166,10 @@ impl PoolConfig {
         (
             "stitch_budget",
             "granules stitched per granule held before growing instead (default 0: always stitch)",
+        ),
+        (
+            "stitch_share",
+            "most share of wall time spent stitching before growing instead (default 0: no limit; gpupool.torch.install() sets 0.01)",
         ),
         (
             "probe_interval_us",
@@ -283,6 +296,13 @@ impl PoolConfig {
                     if c.va_factor > 64 {
                         return Err(bad(format!("{value}: at most 64")));
                     }
+                }
+                "stitch_share" => {
+                    let v = parse_non_negative(value).map_err(bad)?;
+                    if v > 1.0 {
+                        return Err(bad(format!("{value}: a share of time, 0 to 1")));
+                    }
+                    c.stitch_share = v
                 }
                 "handover" => c.handover = parse_bool(value).map_err(bad)?,
                 "stitch_budget" => c.stitch_budget = parse_non_negative(value).map_err(bad)?,
@@ -520,6 +540,17 @@ mod tests {
                 other => panic!("{bad}: {other:?}"),
             }
         }
+        assert_eq!(PoolConfig::default().stitch_share, 0.0);
+        assert_eq!(
+            PoolConfig::parse("stitch_share=0.05").unwrap().stitch_share,
+            0.05
+        );
+        for bad in ["-0.1", "1.5", "NaN", "some"] {
+            match PoolConfig::parse(&format!("stitch_share={bad}")) {
+                Err(Error::Config { key, .. }) => assert_eq!(key, "stitch_share"),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
         assert_eq!(
             PoolConfig::parse("stitch_budget=2.5")
                 .unwrap()
@@ -535,7 +566,7 @@ mod tests {
             "backing" => "accounting",
             "vmm" | "handover" | "thread_cache" | "compact_release" => "false",
             "granularity" => "64KiB",
-            "fraction" => "0.5",
+            "fraction" | "stitch_share" => "0.5",
             _ => "3",
         };
         let file = std::env::temp_dir().join(format!("gpupool-costs-{}.json", std::process::id()));

@@ -119,9 +119,10 @@ def cuda_conf(conf: Optional[str] = None) -> str:
     :class:`ValueError`; ``backend=auto`` or none becomes ``backend=cuda``
     (auto would fall back to the simulator without a driver).
 
-    Unless ``conf`` names it, ``stitch_budget=1``: PyTorch marks no steps,
-    so without a budget the pool restitches (a map and an unmap per
-    granule) on every step of a training loop whose shapes vary, which
+    Unless ``conf`` sets ``stitch_share`` or ``stitch_budget``, it adds
+    ``stitch_share=0.01``: remapping (stitching) takes at most 1% of wall
+    time, past which the pool grows instead. PyTorch marks no steps, and a
+    training loop whose shapes vary otherwise restitches every step, which
     cost real step time on an H200 (docs/BENCHMARKS.md §7)."""
     conf = conf if conf is not None else os.environ.get("GPUPOOL_CONF", "")
     backend = _conf_backend(conf)
@@ -131,8 +132,9 @@ def cuda_conf(conf: Optional[str] = None) -> str:
             "allocator must be gpupool's CUDA backend (backend=cuda), never the simulator"
         )
     items = [i for i in conf.split(",") if i.strip() and i.partition("=")[0].strip() != "backend"]
-    if not any(i.partition("=")[0].strip() == "stitch_budget" for i in items):
-        items.append("stitch_budget=1")
+    keys = {i.partition("=")[0].strip() for i in items}
+    if not keys & {"stitch_share", "stitch_budget"}:
+        items.append("stitch_share=0.01")
     return ",".join(["backend=cuda"] + items)
 
 

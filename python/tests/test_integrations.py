@@ -165,16 +165,17 @@ def test_torch_cuda_conf_forces_the_cuda_backend(monkeypatch):
     import gpupool.torch as gt
 
     monkeypatch.delenv("GPUPOOL_CONF", raising=False)
-    sb = "stitch_budget=1"  # PyTorch's default (no marked steps)
-    assert gt.cuda_conf(None) == f"backend=cuda,{sb}"
-    assert gt.cuda_conf("") == f"backend=cuda,{sb}"
-    assert gt.cuda_conf("max_bytes=1GiB") == f"backend=cuda,max_bytes=1GiB,{sb}"
-    assert gt.cuda_conf("backend=auto,fraction=0.5") == f"backend=cuda,fraction=0.5,{sb}"
-    assert gt.cuda_conf("backend=cuda,max_bytes=2GiB") == f"backend=cuda,max_bytes=2GiB,{sb}"
-    # A budget the caller sets is kept, 0 (always stitch) included.
-    assert gt.cuda_conf("stitch_budget=0") == "backend=cuda,stitch_budget=0"
+    sh = "stitch_share=0.01"  # PyTorch's default: it marks no steps
+    assert gt.cuda_conf(None) == f"backend=cuda,{sh}"
+    assert gt.cuda_conf("") == f"backend=cuda,{sh}"
+    assert gt.cuda_conf("max_bytes=1GiB") == f"backend=cuda,max_bytes=1GiB,{sh}"
+    assert gt.cuda_conf("backend=auto,fraction=0.5") == f"backend=cuda,fraction=0.5,{sh}"
+    assert gt.cuda_conf("backend=cuda,max_bytes=2GiB") == f"backend=cuda,max_bytes=2GiB,{sh}"
+    # A share or a budget the caller sets is kept, 0 (no limit) included.
+    assert gt.cuda_conf("stitch_share=0") == "backend=cuda,stitch_share=0"
+    assert gt.cuda_conf("stitch_budget=4") == "backend=cuda,stitch_budget=4"
     monkeypatch.setenv("GPUPOOL_CONF", "initial_bytes=1MiB")
-    assert gt.cuda_conf(None) == f"backend=cuda,initial_bytes=1MiB,{sb}"
+    assert gt.cuda_conf(None) == f"backend=cuda,initial_bytes=1MiB,{sh}"
     for bad in ("backend=sim", "devices=2,backend=sim"):
         with pytest.raises(ValueError, match="never the simulator"):
             gt.cuda_conf(bad)

@@ -45,6 +45,7 @@ mod ipc;
 mod pause;
 mod physical;
 mod stitch;
+mod stitch_share;
 #[cfg(test)]
 mod tests;
 
@@ -52,6 +53,7 @@ pub(crate) use audit::Piece;
 use physical::{granule_span, shared_granules};
 pub(crate) use stitch::GranuleRuns;
 use stitch::{push_run, StealCtx};
+pub(crate) use stitch_share::StitchShare;
 
 /// Who may reuse a free range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -188,6 +190,8 @@ pub(crate) struct Heap {
     pub(crate) stitch_budget: f64,
     /// Granules stolen since the heap last grew in place of a steal.
     stolen_since_growth: u64,
+    /// The share of wall time stealing may take (`stitch_share`).
+    pub(crate) stitch_share: StitchShare,
 }
 
 fn align_up(v: u64, a: u64) -> u64 {
@@ -246,6 +250,7 @@ impl Heap {
             paused_bytes: 0,
             stitch_budget: 0.0,
             stolen_since_growth: 0,
+            stitch_share: StitchShare::unlimited(),
             backend,
         };
         if info.vmm_supported {

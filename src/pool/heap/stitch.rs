@@ -151,6 +151,7 @@ impl Heap {
             return Err(e);
         }
         self.stolen_since_growth += steals.stolen.len() as u64;
+        self.stitch_share.spend(steals.stolen.len());
         // Every needed granule's chunk, in order: the spare chunks first
         // (as `take_spare` pops them), then the stolen ones, last stolen
         // first. Stealing took exactly the rest, so one vector serves
@@ -231,11 +232,14 @@ impl Heap {
     /// every few requests forever, each steal an unmap, a map and an
     /// access grant; past the budget the pool buys the memory once, and
     /// the budget grows with what it holds, so the growth settles.
-    fn growth_due(&self, want: usize) -> bool {
+    /// Or stealing them would take more than the heap's share of wall
+    /// time (`stitch_share.rs`).
+    fn growth_due(&mut self, want: usize) -> bool {
         want > 0
-            && self.stitch_budget > 0.0
-            && self.stolen_since_growth as f64
-                >= self.stitch_budget * (self.reserved / self.gran) as f64
+            && ((self.stitch_budget > 0.0
+                && self.stolen_since_growth as f64
+                    >= self.stitch_budget * (self.reserved / self.gran) as f64)
+                || !self.stitch_share.affords(want, std::time::Instant::now()))
     }
 
     /// Creates `n` chunks from the device, all or none, within the limit;

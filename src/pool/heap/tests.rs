@@ -66,6 +66,17 @@ fn a_failed_second_run_unmaps_the_first_and_puts_every_chunk_back() {
     heap.check().unwrap();
 }
 
+/// Four 4 MiB blocks a, b, c, d with a and c freed: two holes that no
+/// 8 MiB request fits. Returns the blocks' addresses.
+fn two_holes(heap: &mut Heap) -> Vec<u64> {
+    let blocks: Vec<u64> = (0..4)
+        .map(|_| heap.alloc(4 * MIB, ALIGN, Some(0), false).unwrap().addr)
+        .collect();
+    heap.free(blocks[0], Tag::Clean).unwrap();
+    heap.free(blocks[2], Tag::Clean).unwrap();
+    blocks
+}
+
 /// `stitch_budget`: a heap that has stolen its budget grows in place of
 /// the next steal (and starts counting again); with no budget, a budget
 /// not yet spent, or a limit that leaves no room to grow, it steals. Each
@@ -79,11 +90,7 @@ fn past_its_stitch_budget_the_heap_grows_instead_of_stealing() {
     fn run(budget: f64, cap: Option<u64>) -> (u64, u64, u64) {
         let (_sim, mut heap) = sim_and_heap();
         heap.stitch_budget = budget;
-        let blocks: Vec<u64> = (0..4)
-            .map(|_| heap.alloc(4 * MIB, ALIGN, Some(0), false).unwrap().addr)
-            .collect();
-        heap.free(blocks[0], Tag::Clean).unwrap();
-        heap.free(blocks[2], Tag::Clean).unwrap();
+        let blocks = two_holes(&mut heap);
         assert_eq!(heap.reserved(), 16 * MIB);
         // First stitch: nothing stolen yet, so even a budget steals.
         let _e = heap.alloc(8 * MIB, ALIGN, Some(0), false).unwrap();
@@ -118,4 +125,34 @@ fn past_its_stitch_budget_the_heap_grows_instead_of_stealing() {
     // Due, but the limit leaves no room: it steals (stitching is what
     // keeps the request from failing).
     assert_eq!(run(0.25, Some(16 * MIB)), (before, after, stolen));
+}
+
+/// `stitch_share`: a heap whose share of wall time cannot cover a steal
+/// grows in place of it; with no limit, or a share that covers it, it
+/// steals. The requests of the test above: two 4 MiB holes no 8 MiB
+/// request fits.
+#[test]
+fn past_its_share_of_time_the_heap_grows_instead_of_stealing() {
+    /// (reserved after the 8 MiB request, granules stolen for it)
+    fn run(share: StitchShare, cap: Option<u64>) -> (u64, u64) {
+        let (_sim, mut heap) = sim_and_heap();
+        heap.stitch_share = share;
+        two_holes(&mut heap);
+        if let Some(cap) = cap {
+            heap.limit.set(Some(cap));
+        }
+        heap.alloc(8 * MIB, ALIGN, Some(0), false).unwrap();
+        heap.check().unwrap();
+        (heap.reserved(), heap.stolen_since_growth)
+    }
+    // No limit, or a share that covers four granules: stitched.
+    assert_eq!(run(StitchShare::unlimited(), None), (16 * MIB, 4));
+    assert_eq!(run(StitchShare::new(0.01, 1.0), None), (16 * MIB, 4));
+    // A share that covers none: it grows by the four granules instead.
+    assert_eq!(run(StitchShare::new(0.01, 1e9), None), (24 * MIB, 0));
+    // Unless the limit leaves no room: then it steals after all.
+    assert_eq!(
+        run(StitchShare::new(0.01, 1e9), Some(16 * MIB)),
+        (16 * MIB, 4)
+    );
 }
