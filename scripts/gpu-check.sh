@@ -39,9 +39,10 @@
 #      torch.cuda.MemPool private pools (reported as skipped, with the
 #      reason, when the library lacks the pool functions);
 #   7. torch: python/examples/train.py, a small transformer trained with
-#      gpupool (shim), PyTorch's allocator and PyTorch's
-#      expandable_segments:True, comparing the same peaks (allocated,
-#      requested, reserved, in PyTorch's meanings) and step times;
+#      PyTorch's allocator, gpupool (shim; and with stitch_share=0) and
+#      PyTorch's expandable_segments:True, three rounds alternated,
+#      comparing the same peaks (allocated, requested, reserved, in
+#      PyTorch's meanings), step times and driver calls per step;
 #   8. ddp: python/examples/ddp.py, two ranks under torch.distributed.run
 #      --standalone with gpupool as each rank's allocator (both on device 0,
 #      so Gloo: NCCL refuses two ranks on one GPU);
@@ -191,8 +192,8 @@ PY
     echo "torch CUDA ${torch_cuda:-none}; GPUPOOL_CUDA_INCLUDE=${GPUPOOL_CUDA_INCLUDE:-}" | tee -a "$summary"
     USE_INSTALLED_TORCH=1 check torch_shim_build 120 bash scripts/torch-shim-check.sh
     check_json torch_checks 120 python3 python/examples/torch_checks.py
-    check torch 200 python3 python/examples/train.py --steps 200 \
-        --allocators gpupool,pytorch,pytorch-expandable --out "$out/torch.json"
+    check torch 240 python3 python/examples/train.py --steps 150 --rounds 3 \
+        --allocators pytorch,gpupool,gpupool-stitch,pytorch-expandable --out "$out/torch.json"
     check ddp 120 python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
         python/examples/ddp.py --steps 30 --out "$out/ddp.json"
     check_json cupy 60 python3 python/examples/cupy_check.py

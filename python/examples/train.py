@@ -13,6 +13,9 @@ Allocators (``--allocators``, a comma list; default
 gpupool,pytorch,pytorch-expandable):
 
   gpupool             gpupool.torch.install(): the C++ shim
+  gpupool-stitch      the shim with stitch_share=0: stitching whenever that
+                      avoids growth (install()'s default allows it 1% of
+                      wall time)
   gpupool-step        the shim, with gpupool.mark_step() after each
                       optimizer step (the learned step plan)
   gpupool-python      gpupool.torch.install(shim=False): PyTorch's Python
@@ -53,14 +56,17 @@ def skip(reason: str) -> None:
     sys.exit(0)
 
 
-ALLOCATORS = ("gpupool", "gpupool-step", "gpupool-python", "pytorch", "pytorch-expandable")
+ALLOCATORS = ("gpupool", "gpupool-stitch", "gpupool-step", "gpupool-python", "pytorch",
+              "pytorch-expandable")
 
 
 def child(args) -> dict:
-    if args.allocator in ("gpupool", "gpupool-step", "gpupool-python"):
+    if args.allocator.startswith("gpupool"):
         import gpupool.torch
 
-        gpupool.torch.install(shim=args.allocator != "gpupool-python")
+        # gpupool-stitch: no time share, stitching whenever that avoids growth.
+        conf = "stitch_share=0" if args.allocator == "gpupool-stitch" else None
+        gpupool.torch.install(conf=conf, shim=args.allocator != "gpupool-python")
     elif args.allocator == "pytorch-expandable":
         # Read when PyTorch's allocator starts (the first CUDA allocation).
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -212,6 +218,9 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="then profile N more steps (torch.profiler, host side): the "
                     "ops with the most self CPU time go in each run's report")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the allocators this many times, alternated (the machine "
+                    "drifts: compare within a round); ratios are the rounds' medians")
     ap.add_argument("--out", help="also write the JSON report to this file")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     args = ap.parse_args()
@@ -234,43 +243,55 @@ def main() -> None:
             ap.error(f"unknown allocator {a!r}: expected {', '.join(ALLOCATORS)}")
 
     runs = []
-    for which in which_all:
-        cmd = [sys.executable, __file__, "--allocator", which]
-        for k in ("steps", "warmup", "batch", "seq", "layers", "profile"):
-            cmd += [f"--{k}", str(getattr(args, k))]
-        cmd += ["--d-model", str(args.d_model)]
-        if which == "gpupool" and args.snapshot:
-            cmd += ["--snapshot", args.snapshot]
-        env = dict(os.environ)
-        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # each run its own allocator settings
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-        if p.returncode != 0:
-            runs.append({"allocator": which, "error": p.stderr[-4000:]})
-            continue
-        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
-    report = {"skipped": False, "steps": args.steps, "runs": runs}
-    ok = {r["allocator"]: r for r in runs if "error" not in r}
-    base = ok.get("pytorch")
-    if base:
-        def ratio(r, key):
-            return r[key] / base[key] if r.get(key) is not None and base.get(key) else None
+    for rnd in range(args.rounds):
+        for which in which_all:
+            cmd = [sys.executable, __file__, "--allocator", which]
+            for k in ("steps", "warmup", "batch", "seq", "layers", "profile"):
+                cmd += [f"--{k}", str(getattr(args, k))]
+            cmd += ["--d-model", str(args.d_model)]
+            if which == "gpupool" and args.snapshot:
+                cmd += ["--snapshot", args.snapshot]
+            env = dict(os.environ)
+            env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # each run its own allocator settings
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                               env=env)
+            if p.returncode != 0:
+                runs.append({"allocator": which, "round": rnd, "error": p.stderr[-4000:]})
+                continue
+            runs.append(dict(json.loads(p.stdout.strip().splitlines()[-1]), round=rnd))
+    report = {"skipped": False, "steps": args.steps, "rounds": args.rounds, "runs": runs}
+    by_round = {}
+    for r in runs:
+        if "error" not in r:
+            by_round.setdefault(r["round"], {})[r["allocator"]] = r
 
-        report["vs_pytorch"] = {
-            name: {
-                "step_time_ratio": ratio(r, "step_ms"),
-                "host_time_ratio": ratio(r, "host_ms"),
-                "peak_allocated_ratio": ratio(r, "peak_allocated_bytes"),
-                "peak_requested_ratio": ratio(r, "peak_requested_bytes"),
-                "peak_reserved_ratio": ratio(r, "peak_reserved_bytes"),
+    def ratio(r, base, key):
+        return r[key] / base[key] if r.get(key) is not None and base.get(key) else None
+
+    def median(vals):
+        vals = sorted(v for v in vals if v is not None)
+        return vals[len(vals) // 2] if vals else None
+
+    vs = {}
+    for name in which_all:
+        pairs = [(rd[name], rd["pytorch"]) for rd in by_round.values()
+                 if name != "pytorch" and name in rd and "pytorch" in rd]
+        if pairs:
+            vs[name] = {
+                f"{what}_ratio": median(ratio(r, b, key) for r, b in pairs)
+                for what, key in (("step_time", "step_ms"), ("host_time", "host_ms"),
+                                  ("peak_allocated", "peak_allocated_bytes"),
+                                  ("peak_requested", "peak_requested_bytes"),
+                                  ("peak_reserved", "peak_reserved_bytes"))
             }
-            for name, r in ok.items()
-            if name != "pytorch"
-        }
+            vs[name]["step_time_ratios"] = [ratio(r, b, "step_ms") for r, b in pairs]
+    if vs:
+        report["vs_pytorch"] = vs
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    sys.exit(0 if len(ok) == len(runs) else 1)
+    sys.exit(0 if all("error" not in r for r in runs) else 1)
 
 
 if __name__ == "__main__":
