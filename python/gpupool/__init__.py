@@ -549,7 +549,9 @@ def memory_stats(device: int = 0) -> dict:
 def stats(device: int = 0) -> dict:
     """gpupool's own statistics of ``device`` (``PoolStats``): byte figures
     as ``{"current", "peak"}`` under the same names as
-    :func:`memory_stats`, plus counters and ``fragmentation``."""
+    :func:`memory_stats`, plus counters and ``fragmentation``;
+    ``driver_calls`` counts the backend's driver calls by CUDA name (every
+    device's: read it around a step to see what the steady state costs)."""
     return json.loads(_text(_lib.lib().gpupool_stats_json, _device(device)))
 
 
