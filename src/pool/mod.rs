@@ -267,8 +267,7 @@ impl DevicePool {
             .set(limits::configured(&cfg, info.total_bytes));
         heap.limit = pool_limits.limit.clone();
         heap.stitch_budget = cfg.stitch_budget;
-        heap.stitch_share =
-            heap::StitchShare::new(cfg.stitch_share, stolen_granule_us(&cfg.driver_costs));
+        heap.stitch_share = heap::StitchShare::charged(cfg.stitch_share, &cfg.driver_costs);
         let reservation = heap.reservation();
         let shared = Arc::new(PoolShared {
             dev,
@@ -506,16 +505,6 @@ impl DevicePool {
     pub fn shutdown(&self) {
         self.shared.shut.store(true, Relaxed);
     }
-}
-
-/// The modeled cost of stealing one granule: its old mapping unmapped,
-/// the new one mapped, access granted.
-fn stolen_granule_us(costs: &crate::backend::CostTable) -> f64 {
-    use crate::backend::Call;
-    [(Call::Map, 1), (Call::Unmap, 1), (Call::SetAccess, 1)]
-        .iter()
-        .map(|&(c, units)| costs.cost(c).micros(c, 1, units))
-        .sum()
 }
 
 impl Drop for DevicePool {

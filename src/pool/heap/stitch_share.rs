@@ -17,6 +17,7 @@
 //!
 //! Invariant: `0 <= credit_us <= BURST_US`; `share == 0` places no limit.
 
+use crate::backend::{Call, CostTable};
 use std::time::Instant;
 
 /// The wall-time budget of stitching.
@@ -46,6 +47,17 @@ impl StitchShare {
             credit_us: Self::BURST_US,
             at: None,
         }
+    }
+
+    /// A budget of `share` of wall time, each stolen granule charged at
+    /// `costs`: its old mapping unmapped, the new one mapped, access
+    /// granted.
+    pub(crate) fn charged(share: f64, costs: &CostTable) -> StitchShare {
+        let cost_us = [Call::Map, Call::Unmap, Call::SetAccess]
+            .iter()
+            .map(|&c| costs.cost(c).micros(c, 1, 1))
+            .sum();
+        StitchShare::new(share, cost_us)
     }
 
     /// No limit: stitching steals whenever that serves.
