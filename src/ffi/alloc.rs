@@ -61,8 +61,7 @@ pub(super) fn free_impl(ptr: *mut c_void, device: c_int, stream: *mut c_void) ->
     }
     let addr = ptr as usize as u64;
     with_state(|st| {
-        st.require_built(device, addr)?;
-        st.with_stream(device, stream, |pool, s| {
+        st.with_pointer_stream(device, stream, addr, |pool, s| {
             pool.free_raw(DevicePtr(addr), s)
                 .map_err(|e| st.classify(e, addr, pool.device()))
         })
@@ -83,8 +82,7 @@ pub extern "C" fn gpupool_record_stream(
         }
         let addr = ptr as usize as u64;
         with_state(|st| {
-            st.require_built(device, addr)?;
-            st.with_stream(device, stream, |pool, s| {
+            st.with_pointer_stream(device, stream, addr, |pool, s| {
                 pool.record_stream_raw(DevicePtr(addr), s)
                     .map_err(|e| st.classify(e, addr, pool.device()))
             })

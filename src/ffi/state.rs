@@ -354,6 +354,33 @@ impl State {
         handle: *mut c_void,
         f: impl FnOnce(&DevicePool, &Stream) -> FResult<T>,
     ) -> FResult<T> {
+        self.with_stream_for(device, handle, None, f)
+    }
+
+    /// [`State::with_stream`] for a call on the pointer `addr` (free,
+    /// record_stream): fails as an unknown (or wrong-device) pointer,
+    /// building nothing, when `device`'s pool was never built (see
+    /// [`State::require_built`]). The check runs past this thread's last
+    /// stream only: a remembered stream's pool is built.
+    #[inline]
+    pub(super) fn with_pointer_stream<T>(
+        &self,
+        device: c_int,
+        handle: *mut c_void,
+        addr: u64,
+        f: impl FnOnce(&DevicePool, &Stream) -> FResult<T>,
+    ) -> FResult<T> {
+        self.with_stream_for(device, handle, Some(addr), f)
+    }
+
+    #[inline(always)]
+    fn with_stream_for<T>(
+        &self,
+        device: c_int,
+        handle: *mut c_void,
+        pointer: Option<u64>,
+        f: impl FnOnce(&DevicePool, &Stream) -> FResult<T>,
+    ) -> FResult<T> {
         let h = handle as usize as u64;
         let last = LAST_STREAM.with(Cell::get);
         if last.generation == self.generation && last.device == device && last.handle == h {
@@ -374,6 +401,9 @@ impl State {
                 let (pool, stream) = unsafe { (&*last.pool, &*last.stream) };
                 return f(pool, stream);
             }
+        }
+        if let Some(addr) = pointer {
+            self.require_built(device, addr)?;
         }
         self.with_stream_looked_up(device, h, f)
     }
@@ -507,8 +537,7 @@ impl State {
     /// (or wrong-device) pointer when `device`'s pool was never built, so
     /// that a pointer presented to the wrong device builds no pool there
     /// (bad input changes nothing, no driver call included).
-    #[inline]
-    pub(super) fn require_built(&self, device: c_int, addr: u64) -> FResult<()> {
+    fn require_built(&self, device: c_int, addr: u64) -> FResult<()> {
         match usize::try_from(device) {
             Ok(d) if d < self.rt.device_count() && self.rt.built_device(d).is_none() => Err(self
                 .classify(

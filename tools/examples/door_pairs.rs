@@ -1,6 +1,6 @@
 //! Makes N small (4 KiB) alloc + free pairs through one door (the Rust API,
 //! raw pointers, the C ABI, PyTorch's hook) on the simulator: the driver
-//! behind the per-pair instruction counts in docs/BENCHMARKS.md §2.
+//! behind the per-pair instruction counts in docs/BENCHMARKS.md §4.
 //!
 //! ```sh
 //! cargo build --release --example door_pairs
