@@ -115,7 +115,7 @@ impl Default for PoolConfig {
             maintenance_tick: Some(Duration::from_millis(5)),
             idle_release: None,
             release_fraction: 2.0,
-            driver_costs: CostTable::published(),
+            driver_costs: CostTable::h200(),
             max_bytes: None,
             memory_fraction: None,
             initial_bytes: 0,
@@ -225,7 +225,7 @@ impl PoolConfig {
         ),
         (
             "driver_costs",
-            "driver-call costs the reports charge: `h200` (measured on an H200), `published` (default), or the path of a JSON cost file (as `gpupool bench --gpu --calibrate` writes) replacing the published costs it names",
+            "driver-call costs the reports charge: `h200` (default: measured on an H200), `published` (figures from the literature), or the path of a JSON cost file (as `gpupool bench --gpu --calibrate` writes) replacing the default costs it names",
         ),
         (
             "cost.<call>",
@@ -610,7 +610,7 @@ mod tests {
         assert_eq!(t.cost(Call::SetAccess).us_per_unit, 2.0);
         assert_eq!(
             t.cost(Call::MemCreate),
-            CostTable::published().cost(Call::MemCreate)
+            CostTable::h200().cost(Call::MemCreate)
         );
         assert!(t.source().starts_with("bench"), "{}", t.source());
         for bad in [
@@ -626,6 +626,6 @@ mod tests {
                 other => panic!("{bad}: {other:?}"),
             }
         }
-        assert_eq!(PoolConfig::default().driver_costs, CostTable::published());
+        assert_eq!(PoolConfig::default().driver_costs, CostTable::h200());
     }
 }

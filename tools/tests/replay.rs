@@ -103,8 +103,9 @@ fn replay_reports_driver_calls_and_modeled_time_per_pass() {
     );
     assert!(cold.values().all(|&n| n > 0), "zero counts are left out");
     assert!(r.driver_ms.cold > r.driver_ms.warm && r.driver_ms.warm >= 0.0);
-    // cuMemCreate alone: one 2 MiB granule each at 193.32 µs.
-    assert!(r.driver_ms.cold >= cold["cuMemCreate"] as f64 * 0.19332);
+    // cuMemCreate alone: one 2 MiB granule each at the default table's cost.
+    let c = gpupool::backend::CostTable::default().cost(gpupool::backend::Call::MemCreate);
+    assert!(r.driver_ms.cold >= cold["cuMemCreate"] as f64 * (c.us + 2.0 * c.us_per_unit) / 1e3);
 
     // Costs follow the table: mapping made ten times dearer adds exactly
     // nine times the maps' share.
@@ -167,8 +168,10 @@ fn cli_replay_json_has_driver_figures_and_follows_cost_keys() {
         a["driver_ms"]["cold"].as_f64().unwrap(),
         b["driver_ms"]["cold"].as_f64().unwrap(),
     );
-    // 2 MiB chunks: 193.32 µs each by default, 1000 µs each under the key.
-    let want = ma + creates as f64 * (1000.0 - 193.32) / 1e3;
+    // 2 MiB chunks: the default table's cost each, 1000 µs each under
+    // the key.
+    let c = gpupool::backend::CostTable::default().cost(gpupool::backend::Call::MemCreate);
+    let want = ma + creates as f64 * (1000.0 - (c.us + 2.0 * c.us_per_unit)) / 1e3;
     assert!((mb - want).abs() < 1e-6 * want, "{mb} vs {want}");
 
     let path = std::env::temp_dir().join(format!("gpupool-cal-{}.json", std::process::id()));
