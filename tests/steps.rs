@@ -115,6 +115,130 @@ fn a_repeating_step_is_served_from_its_plan_with_no_driver_call() {
     assert_eq!(be.integrity_errors(0), 0);
 }
 
+/// A step whose temporaries sit between blocks that outlive it (weights
+/// allocated amid activations): the plan is laid over the memory those
+/// temporaries used, around the survivors, so the mark moves no physical
+/// memory (a fresh arena above them all would take every granule by an
+/// unmap and a map), and the survivors' bytes stay theirs.
+/// One step of `a_plan_is_laid_in_place_...`: six activations, alive
+/// together, checked and freed, each followed by a 2 MiB block that the
+/// first step (`seed` 1) keeps in `kept` beyond the step (weights), and
+/// later steps free with their activations.
+fn step_beside_survivors<'a>(
+    be: &SimBackend,
+    dev: &'a DevicePool,
+    s: &'a Stream,
+    seed: u64,
+    kept: &mut Vec<(Block<'a>, u64)>,
+) {
+    let mut acts = Vec::new();
+    let mut temps = Vec::new();
+    for l in 0..6u64 {
+        let a = dev.alloc((6 + l as usize % 3) * MIB, s).unwrap();
+        be.launch_write_pattern(
+            0,
+            s.handle(),
+            a.ptr(),
+            a.size() as u64,
+            seed * 100 + l,
+            Duration::ZERO,
+        )
+        .unwrap();
+        acts.push((a, seed * 100 + l));
+        let w = dev.alloc(2 * MIB, s).unwrap();
+        if seed == 1 {
+            be.launch_write_pattern(
+                0,
+                s.handle(),
+                w.ptr(),
+                w.size() as u64,
+                9000 + l,
+                Duration::ZERO,
+            )
+            .unwrap();
+            kept.push((w, 9000 + l));
+        } else {
+            temps.push(w);
+        }
+    }
+    drop(temps);
+    let checks: Vec<_> = acts
+        .iter()
+        .map(|(a, k)| {
+            be.launch_verify_pattern(0, s.handle(), a.ptr(), a.size() as u64, *k, Duration::ZERO)
+                .unwrap()
+        })
+        .collect();
+    drop(acts);
+    be.sync_stream(0, s.handle()).unwrap();
+    for c in checks {
+        assert_eq!(c.mismatches(), Some(0), "a live block's bytes changed");
+    }
+}
+
+/// A step whose temporaries sit between blocks that outlive it (weights
+/// allocated amid activations): the plan is laid over the memory those
+/// temporaries used, around the survivors, so the mark moves no physical
+/// memory (a fresh arena above them all would take every granule by an
+/// unmap and a map), and the survivors' bytes stay theirs.
+#[test]
+fn a_plan_is_laid_in_place_around_blocks_that_outlive_the_step() {
+    let be = sim(1 << 30);
+    let pool = pool(&be);
+    let dev = &pool;
+    let s = dev.new_stream().unwrap();
+    let mut kept = Vec::new();
+    dev.mark_step().unwrap();
+    step_beside_survivors(&be, dev, &s, 1, &mut kept);
+    let calls = vm_calls(&be);
+    dev.mark_step().unwrap();
+    assert_eq!(
+        vm_calls(&be) - calls,
+        0,
+        "the plan's arena moved physical memory at the mark"
+    );
+    let plan = dev.plan_stats();
+    assert_eq!(plan.plans, 1);
+    assert!(plan.arena_bytes >= plan.last_peak_live_bytes);
+    dev.audit().unwrap();
+    // The blocks that now live within the step (and the plan serves
+    // dynamically) find their memory in the first followed step.
+    step_beside_survivors(&be, dev, &s, 2, &mut kept);
+    dev.mark_step().unwrap();
+    let calls = vm_calls(&be);
+    for seed in 3..6 {
+        step_beside_survivors(&be, dev, &s, seed, &mut kept);
+        dev.mark_step().unwrap();
+        dev.audit().unwrap();
+    }
+    let plan = dev.plan_stats();
+    assert_eq!(plan.served, 4 * 6);
+    assert_eq!((plan.misses, plan.departures), (0, 0));
+    assert_eq!(
+        vm_calls(&be) - calls,
+        0,
+        "followed steps made VM driver calls"
+    );
+    let checks: Vec<_> = kept
+        .iter()
+        .map(|(w, k)| {
+            be.launch_verify_pattern(0, s.handle(), w.ptr(), w.size() as u64, *k, Duration::ZERO)
+                .unwrap()
+        })
+        .collect();
+    be.sync_stream(0, s.handle()).unwrap();
+    for c in checks {
+        assert_eq!(
+            c.mismatches(),
+            Some(0),
+            "a block outliving its step changed"
+        );
+    }
+    drop(kept);
+    dev.audit().unwrap();
+    assert_eq!(be.integrity_errors(0), 0);
+}
+
 #[test]
 fn a_departing_step_is_served_dynamically_then_learned_again() {
     let be = sim(1 << 30);

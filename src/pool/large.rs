@@ -342,7 +342,7 @@ impl PoolShared {
     /// The side effects of a heap allocation: the stream waits on any
     /// pending groups it takes memory from, and granules aliased by
     /// stitching get an event on the stream.
-    fn finish_taken(
+    pub(super) fn finish_taken(
         &self,
         h: &mut HeapState,
         r: Result<heap::Taken>,

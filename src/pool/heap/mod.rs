@@ -212,6 +212,17 @@ pub(crate) struct Taken {
     pub exclusive: bool,
 }
 
+/// Whether stream slot `slot` may take free memory tagged `t` with no
+/// wait on the host (`group` says which pending groups its stream is
+/// ordered after).
+fn usable_tag(t: Tag, slot: u16, group: &impl Fn(u32) -> bool) -> bool {
+    match t {
+        Tag::Clean => true,
+        Tag::Dirty(s) => s == slot,
+        Tag::Pending(id) => group(id),
+    }
+}
+
 impl Heap {
     /// A heap over a fresh reservation of `va_bytes` (VMM) or over segments,
     /// for requests of at least `request_floor` bytes (0: any).
@@ -318,6 +329,70 @@ impl Heap {
             .map(|(_, set)| set.bytes())
             .sum();
         sum >= bytes
+    }
+
+    /// Free ranges stream slot `slot` may take with no wait on the host
+    /// (`Clean`, `Dirty(slot)`, and `Pending(id)` where `group(id)`: the
+    /// caller's stream is ordered after the group's uses) of at least
+    /// `min_len` bytes, as `(addr, len)` by address: where a learned
+    /// step's arena can be laid in place.
+    pub(crate) fn usable_ranges(
+        &self,
+        slot: u16,
+        min_len: u64,
+        group: impl Fn(u32) -> bool,
+    ) -> Vec<(u64, u64)> {
+        let mut v: Vec<(u64, u64)> = self
+            .by_tag
+            .iter()
+            .filter(|(t, _)| usable_tag(**t, slot, &group))
+            .flat_map(|(_, set)| set.at_least(min_len).map(|(len, addr)| (addr, len)))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Takes exactly `[start, start + len)`, which must lie in one free
+    /// range that [`Heap::usable_ranges`] lists for `slot` and `group`
+    /// (else `None`, nothing changed), backing its granules as
+    /// [`Heap::alloc`] does; a pending range's group is in
+    /// [`Taken::waits`].
+    pub(crate) fn alloc_at(
+        &mut self,
+        start: u64,
+        len: u64,
+        slot: u16,
+        group: impl Fn(u32) -> bool,
+    ) -> Option<Result<Taken>> {
+        debug_assert!(len % ALIGN == 0 && start % ALIGN == 0 && len > 0);
+        let (raddr, r) = self.by_addr.at_or_before(start)?;
+        let usable = usable_tag(r.tag, slot, &group);
+        if !usable || start + len > raddr + r.len {
+            return None;
+        }
+        let ctx = StealCtx {
+            slot: Some(slot),
+            pending_ok: false,
+        };
+        Some(self.take(raddr, r.len, start, len, ctx))
+    }
+
+    /// Granules of `[start, start + len)` with no physical memory.
+    pub(crate) fn unbacked_granules(&self, start: u64, len: u64) -> u64 {
+        self.unbacked(start, len)
+    }
+
+    /// The granules a fresh range of `len` bytes for `slot` would need
+    /// backed, where [`Heap::alloc`] would place it (`None`: no range fits).
+    pub(crate) fn unbacked_at_best_fit(&self, len: u64, slot: u16) -> Option<u64> {
+        self.place(Some(slot), len, ALIGN)
+            .map(|(_, _, start)| self.unbacked(start, len))
+    }
+
+    /// Whether the heap maps granules of one reservation (VMM), not
+    /// plain segments.
+    pub(crate) fn is_vmm(&self) -> bool {
+        matches!(self.phys, Physical::Vmm { .. })
     }
 
     /// Takes `len` bytes at `align` from the best-fitting pending range

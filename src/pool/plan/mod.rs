@@ -15,16 +15,22 @@
 //! *Recording* serves every request dynamically and logs each large
 //! request's rounded length and lifetime on the stream's own clock. At the
 //! next mark the blocks allocated and freed within the step are placed by
-//! [`placement::place`] into one *arena*, allocated from the heap like one
-//! large block. *Following* serves the k-th large request of each step at
+//! [`placement::place_around`] into an *arena*: laid in place over the
+//! free memory the stream may take (what the recorded step freed), around
+//! the blocks that outlive the step, when that needs fewer granules
+//! backed than a fresh range; else one fresh range, allocated from the
+//! heap like one large block. Either way the driver calls a new plan
+//! needs are made at the mark. *Following* serves the k-th large request of each step at
 //! its planned offset when its length is the recorded one; the first
 //! request that differs ends following for the rest of the step (the
 //! dynamic path serves it and the rest), and the next mark records anew.
 //! Blocks that outlive the step are served dynamically in every step.
 //!
 //! Invariants:
-//! 1. An arena is one allocated heap range (owner word 0) that no other
-//!    block overlaps; planned blocks are sub-ranges of it.
+//! 1. An arena is a set of allocated heap ranges, its *pieces* (owner
+//!    word 0), that no other block overlaps; a planned block lies within
+//!    the pieces, at the arena's origin plus its planned offset. An arena
+//!    is named by its first piece's address.
 //! 2. Live and fenced sub-ranges of an arena never overlap one another, and
 //!    a planned block is handed out only where it overlaps neither (so a
 //!    step that frees later than planned gets dynamic memory, not memory
@@ -94,7 +100,8 @@ pub(crate) struct Plans {
     on: AtomicBool,
     /// Padded: each stream locks its own on every large request.
     slots: Box<[CachePadded<Mutex<SlotPlan>>]>,
-    /// Every arena: base -> (len, owner slot or [`ORPHAN`]), for frees.
+    /// Every arena piece: addr -> (len, owner slot or [`ORPHAN`]), for
+    /// frees.
     index: RwLock<BTreeMap<u64, (u64, u16)>>,
     orphans: Mutex<Vec<Arena>>,
     plans: AtomicU64,
@@ -106,7 +113,7 @@ pub(crate) struct Plans {
 #[derive(Debug, Default)]
 struct SlotPlan {
     state: State,
-    /// The following arena (named by `Follow::base`) and retiring ones.
+    /// The following arena (named by `Follow::arena`) and retiring ones.
     arenas: Vec<Arena>,
     /// Counted here, under the stream's own lock: no counter is shared
     /// between streams on the large path.
@@ -142,12 +149,19 @@ struct Follow {
     offsets: Vec<Option<u64>>,
     next: usize,
     departed: bool,
-    base: u64,
+    /// The arena's name ([`Arena::id`]).
+    arena: u64,
 }
 
 #[derive(Debug)]
 struct Arena {
-    base: u64,
+    /// Its name: the address of its first piece.
+    id: u64,
+    /// Where planned offsets count from.
+    origin: u64,
+    /// Its heap ranges `(addr, len)`, by address.
+    pieces: Vec<(u64, u64)>,
+    /// Bytes of its pieces.
     len: u64,
     live: BTreeMap<u64, Live>,
     /// Sub-ranges freed with other users: `(addr, len, their events)`.
@@ -226,10 +240,13 @@ impl State {
 }
 
 impl Arena {
-    fn new(base: u64, len: u64) -> Arena {
+    fn new(origin: u64, pieces: Vec<(u64, u64)>) -> Arena {
+        debug_assert!(!pieces.is_empty() && pieces.windows(2).all(|w| w[0].0 < w[1].0));
         Arena {
-            base,
-            len,
+            id: pieces[0].0,
+            origin,
+            len: pieces.iter().map(|p| p.1).sum(),
+            pieces,
             live: BTreeMap::new(),
             fenced: Vec::new(),
             tomb: Waits::default(),
@@ -240,7 +257,8 @@ impl Arena {
     }
 
     fn holds(&self, addr: u64) -> bool {
-        (self.base..self.base + self.len).contains(&addr)
+        let i = self.pieces.partition_point(|p| p.0 <= addr);
+        i > 0 && addr < self.pieces[i - 1].0 + self.pieces[i - 1].1
     }
 
     fn is_empty(&self) -> bool {
@@ -365,21 +383,21 @@ impl PoolShared {
             // step departs at its first request), so that the dynamic path
             // can use its memory instead of growing beside it.
             f.departed = true;
-            let base = f.base;
+            let id = f.arena;
             p.departures += 1;
             p.dynamic += 1;
-            self.retire_arena(p, slot, base);
+            self.retire_arena(p, slot, id);
             return Serve::Dynamic { record: true };
         }
-        let (Some(off), base) = (f.offsets[k], f.base) else {
+        let (Some(off), id) = (f.offsets[k], f.arena) else {
             p.dynamic += 1;
             return Serve::Dynamic { record: true };
         };
-        let Some(arena) = p.arenas.iter_mut().find(|a| a.base == base) else {
+        let Some(arena) = p.arenas.iter_mut().find(|a| a.id == id) else {
             p.dynamic += 1;
             return Serve::Dynamic { record: true };
         };
-        let addr = arena.base + off;
+        let addr = arena.origin + off;
         if arena.overlaps_live(addr, len) || !self.hand_over_fences(arena, addr, len, stream) {
             p.misses += 1;
             p.dynamic += 1;
@@ -557,7 +575,7 @@ impl PoolShared {
                 }
                 // Departed: plan anew from the step just run.
                 State::Following(f) => {
-                    self.retire_arena(p, slot, f.base);
+                    self.retire_arena(p, slot, f.arena);
                     f.rec
                 }
                 State::Recording(r) => r,
@@ -578,8 +596,25 @@ impl PoolShared {
             return record_again();
         }
         let lives: Vec<Life> = inner.iter().map(|(_, l)| *l).collect();
-        let (offs, total) = placement::place(&lives);
-        self.plans.last_arena.store(total, Relaxed);
+        let (fresh_offs, total) = placement::place_around(&lives, &[]);
+        let (origin, offs, pieces) = match self.arena_in_place(&lives, total, stream, slot) {
+            Some(a) => a,
+            None => {
+                let arena = LargeLive {
+                    requested: total,
+                    raw: false,
+                };
+                match self.alloc_large(total, arena, stream) {
+                    Ok((base, len)) => (base, fresh_offs, vec![(base, len)]),
+                    Err(e) => {
+                        tracing::debug!(device = self.dev, "no arena for a learned step: {e}");
+                        return record_again();
+                    }
+                }
+            }
+        };
+        let arena = Arena::new(origin, pieces);
+        self.plans.last_arena.store(arena.len, Relaxed);
         self.plans
             .last_peak
             .store(placement::peak_live(&lives), Relaxed);
@@ -587,36 +622,138 @@ impl PoolShared {
         for ((i, _), off) in inner.iter().zip(offs) {
             offsets[*i] = Some(off);
         }
-        let arena = LargeLive {
-            requested: total,
-            raw: false,
-        };
-        let (base, len) = match self.alloc_large(total, arena, stream) {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::debug!(device = self.dev, "no arena for a learned step: {e}");
-                return record_again();
+        {
+            let mut index = self.plans.index.write();
+            for &(a, l) in &arena.pieces {
+                index.insert(a, (l, slot));
             }
-        };
-        self.plans.index.write().insert(base, (len, slot));
-        self.plans.arena_bytes.fetch_add(len, Relaxed);
+        }
+        self.plans.arena_bytes.fetch_add(arena.len, Relaxed);
         self.plans.plans.fetch_add(1, Relaxed);
+        let id = arena.id;
         let mut p = self.plans.slots[slot as usize].lock();
-        p.arenas.push(Arena::new(base, len));
+        p.arenas.push(arena);
         p.state = State::Following(Follow {
             rec: Recorder::default(),
             lens: rec.lives.iter().map(|l| l.len).collect(),
             offsets,
             next: 0,
             departed: false,
-            base,
+            arena: id,
         });
     }
 
-    /// Retires the arena at `base` of `slot`: freed now if empty, else when
-    /// its last block goes.
-    fn retire_arena(&self, p: &mut SlotPlan, slot: u16, base: u64) {
-        let Some(i) = p.arenas.iter().position(|a| a.base == base) else {
+    /// The arena of a new plan for `lives` laid in place: over the free
+    /// ranges `slot` may take (from the lowest up to the longest, the
+    /// reservation's unused rest), around everything else, as
+    /// `(origin, offsets, pieces)` with its pieces allocated. `None`, with
+    /// nothing changed, unless it needs fewer granules backed than a fresh
+    /// arena of `fresh_len` bytes would (the fresh arena is best when the
+    /// step's memory is free in one range already), or when a piece cannot
+    /// be backed.
+    ///
+    /// Why: blocks that live across the mark split what the recorded step
+    /// freed into pieces, and a fresh arena then lands above them all and
+    /// takes its physical memory from those pieces, one unmap and one map
+    /// per granule (on lm-large-forward, 20,553 granules at the first mark).
+    fn arena_in_place(
+        &self,
+        lives: &[Life],
+        fresh_len: u64,
+        stream: &Stream,
+        slot: u16,
+    ) -> Option<InPlace> {
+        let min_len = lives.iter().map(|l| l.len).min()?;
+        let mut h = self.heap.lock();
+        if !h.heap.is_vmm() {
+            return None;
+        }
+        // What the step freed is pending behind this stream's own events
+        // (the mark flushed every stream): stream order covers it.
+        let order = &stream.core().order;
+        let own: rustc_hash::FxHashSet<u32> = h
+            .group_events
+            .iter()
+            .filter(|(_, w)| w.ordered_before(order))
+            .map(|(&id, _)| id)
+            .collect();
+        let mut gaps = h.heap.usable_ranges(slot, min_len, |id| own.contains(&id));
+        // The longest range (the reservation's unused rest) holds whatever
+        // goes above the others; ranges above it are left out.
+        let top = (0..gaps.len()).max_by_key(|&i| gaps[i].1)?;
+        if gaps[top].1 < fresh_len {
+            return None;
+        }
+        gaps.truncate(top + 1);
+        let origin = gaps[0].0;
+        let mut fixed = Vec::new();
+        let mut at = origin;
+        for &(a, l) in &gaps {
+            if a > at {
+                fixed.push((at - origin, a - origin));
+            }
+            at = a + l;
+        }
+        let (offs, _) = placement::place_around(lives, &fixed);
+        let (covered, pieces) = footprint(origin, lives, &offs, &gaps);
+        // Every planned byte inside the free ranges (a block placed above
+        // the topmost one's end would not be).
+        if pieces.iter().map(|p| p.1).sum::<u64>() != covered {
+            return None;
+        }
+        let unbacked = |h: &super::HeapState, &(a, l): &(u64, u64)| h.heap.unbacked_granules(a, l);
+        let need: u64 = pieces.iter().map(|p| unbacked(&h, p)).sum();
+        let fresh = h.heap.unbacked_at_best_fit(fresh_len, slot)?;
+        if need >= fresh {
+            return None;
+        }
+        // Backed pieces first: backing the others may take idle granules
+        // of free memory, never of a piece already taken.
+        let mut order: Vec<(u64, usize)> = pieces
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (unbacked(&h, p), i))
+            .collect();
+        order.sort_unstable();
+        let device_allocs = h.heap.device_allocs;
+        let mut taken = Vec::with_capacity(pieces.len());
+        let mut failed = false;
+        for (_, i) in order {
+            let (a, l) = pieces[i];
+            let Some(r) = h.heap.alloc_at(a, l, slot, |id| own.contains(&id)) else {
+                failed = true;
+                break;
+            };
+            match self.finish_taken(&mut h, r, stream) {
+                Ok(_) => taken.push(i),
+                Err(e) => {
+                    tracing::debug!(device = self.dev, "an arena piece in place: {e}");
+                    failed = true;
+                    break;
+                }
+            }
+        }
+        if failed {
+            for i in taken {
+                h.heap
+                    .free(pieces[i].0, Tag::Dirty(slot))
+                    .expect("a piece just taken is allocated");
+            }
+            return None;
+        }
+        if h.heap.device_allocs != device_allocs {
+            self.counters.grown.fetch_add(1, Relaxed);
+        }
+        self.counters
+            .peak_reserved
+            .fetch_max(h.heap.reserved(), Relaxed);
+        Some((origin, offs, pieces))
+    }
+
+    /// Retires the arena `id` of `slot`: freed now if empty, else when its
+    /// last block goes.
+    fn retire_arena(&self, p: &mut SlotPlan, slot: u16, id: u64) {
+        let Some(i) = p.arenas.iter().position(|a| a.id == id) else {
             return;
         };
         p.arenas[i].retiring = true;
@@ -629,13 +766,22 @@ impl PoolShared {
     /// Gives an empty arena of a live stream back to the heap.
     fn free_arena(&self, a: Arena, slot: u16) {
         debug_assert!(a.is_empty());
-        self.plans.index.write().remove(&a.base);
+        self.forget_pieces(&a);
+        let mut h = self.heap.lock();
+        for &(addr, _) in &a.pieces {
+            h.heap
+                .free(addr, Tag::Dirty(slot))
+                .expect("an arena's pieces are allocated");
+        }
+    }
+
+    /// Takes `a`'s pieces out of the index and its bytes out of the count.
+    fn forget_pieces(&self, a: &Arena) {
+        let mut index = self.plans.index.write();
+        for (addr, _) in &a.pieces {
+            index.remove(addr);
+        }
         self.plans.arena_bytes.fetch_sub(a.len, Relaxed);
-        self.heap
-            .lock()
-            .heap
-            .free(a.base, Tag::Dirty(slot))
-            .expect("an arena is allocated");
     }
 
     /// Gives an orphan arena with no live block back to the heap, behind its
@@ -645,13 +791,14 @@ impl PoolShared {
         for (_, _, w) in a.fenced.drain(..) {
             waits.absorb(w);
         }
-        self.plans.index.write().remove(&a.base);
-        self.plans.arena_bytes.fetch_sub(a.len, Relaxed);
+        self.forget_pieces(&a);
         let mut h = self.heap.lock();
         let id = h.heap.new_pending_group();
-        h.heap
-            .free(a.base, Tag::Pending(id))
-            .expect("an arena is allocated");
+        for &(addr, _) in &a.pieces {
+            h.heap
+                .free(addr, Tag::Pending(id))
+                .expect("an arena's pieces are allocated");
+        }
         h.insert_group(id, waits);
         drop(h);
         self.counters.pending_frees.fetch_add(1, Relaxed);
@@ -681,8 +828,13 @@ impl PoolShared {
                 self.free_orphan(a);
                 continue;
             }
-            if let Some(e) = self.plans.index.write().get_mut(&a.base) {
-                e.1 = ORPHAN;
+            {
+                let mut index = self.plans.index.write();
+                for (addr, _) in &a.pieces {
+                    if let Some(e) = index.get_mut(addr) {
+                        e.1 = ORPHAN;
+                    }
+                }
             }
             self.plans.orphans.lock().push(a);
         }
@@ -707,7 +859,7 @@ impl PoolShared {
                     continue;
                 }
                 let a = p.arenas.swap_remove(i);
-                if matches!(&p.state, State::Following(f) if f.base == a.base) {
+                if matches!(&p.state, State::Following(f) if f.arena == a.id) {
                     p.state = State::Recording(Recorder::default());
                 }
                 freed += a.len;
@@ -735,4 +887,50 @@ impl PoolShared {
         self.plans.index.write().clear();
         self.plans.arena_bytes.store(0, Relaxed);
     }
+}
+
+/// An arena laid in place: `(origin, offsets, pieces)`.
+type InPlace = (u64, Vec<u64>, Vec<(u64, u64)>);
+
+/// The ranges planned blocks cover (`origin + offset`), merged, and cut
+/// where one free range of `gaps` ends and the next begins: the pieces of
+/// an arena laid in place, each inside one free range, by address; with
+/// the bytes the blocks cover (more than the pieces' if some lie outside
+/// every free range).
+fn footprint(
+    origin: u64,
+    lives: &[Life],
+    offs: &[u64],
+    gaps: &[(u64, u64)],
+) -> (u64, Vec<(u64, u64)>) {
+    let mut iv: Vec<(u64, u64)> = offs
+        .iter()
+        .zip(lives)
+        .map(|(&o, l)| (origin + o, origin + o + l.len))
+        .collect();
+    iv.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::new();
+    for (lo, hi) in iv {
+        match merged.last_mut() {
+            Some(last) if lo <= last.1 => last.1 = last.1.max(hi),
+            _ => merged.push((lo, hi)),
+        }
+    }
+    let covered = merged.iter().map(|(lo, hi)| hi - lo).sum();
+    let mut pieces = Vec::new();
+    let mut g = 0;
+    for (lo, hi) in merged {
+        while g < gaps.len() && gaps[g].0 + gaps[g].1 <= lo {
+            g += 1;
+        }
+        let mut k = g;
+        while k < gaps.len() && gaps[k].0 < hi {
+            let (a, b) = (lo.max(gaps[k].0), hi.min(gaps[k].0 + gaps[k].1));
+            if a < b {
+                pieces.push((a, b - a));
+            }
+            k += 1;
+        }
+    }
+    (covered, pieces)
 }
