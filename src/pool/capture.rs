@@ -39,7 +39,7 @@
 //!
 //! **The guarantee.** For captures the pool is told about, exact: every
 //! call those rules forbid is made between two checks of `underway` under a
-//! handshake (`inflight`, below) that [`Captures::begin`] waits out, so no
+//! handshake (`inflight`, below) that [`PoolShared::begin`] waits out, so no
 //! such call runs once `begin_allocate_to_pool` has returned. Heap unmaps
 //! check `capture_hold` under the heap lock. For a capture begun without
 //! telling the pool, the rules apply from its detection on: the work of
@@ -147,7 +147,7 @@ impl Drop for InFlight<'_> {
 
 impl PoolShared {
     /// Runs `f`, a driver call that a capture forbids, unless a capture is
-    /// underway (`None` then). [`Captures::begin`] raises `underway` and
+    /// underway (`None` then). [`PoolShared::begin`] raises `underway` and
     /// then waits for `inflight` to drain: either it sees this call in
     /// flight and waits for it, or this call sees the capture and skips
     /// (both sides use sequentially consistent operations).

@@ -15,7 +15,7 @@
 //! - A [`Progress`] lives for one harvest pass: an event found pending
 //!   there makes every later event of its stream pending for the rest of
 //!   the pass without a query (none of them can have completed before it).
-//!   A pass first queries each stream's latest pending event ([`Latest`]):
+//!   A pass first queries each stream's latest pending event:
 //!   when it completed, so did all the stream's earlier ones, and the pass
 //!   makes one query for that stream.
 //! - Events recorded elsewhere than on the stream's own handle (another

@@ -2,7 +2,7 @@
 //!
 //! A pool never holds more device memory than its limit: the smaller of
 //! `max_bytes` and `fraction` times the device's memory (both from
-//! [`PoolConfig`](crate::PoolConfig)), or what
+//! [`PoolConfig`]), or what
 //! [`DevicePool::set_memory_limit`] set at run time. The heap consults the
 //! limit ([`Limit::admit`]) before it creates a physical chunk or a segment
 //! and refuses with [`Error::DeviceOutOfMemory`], the error a full device

@@ -156,7 +156,7 @@ pub(crate) struct Counters {
     /// Bytes of small slots on the pending list.
     pub pending_slot_bytes: AtomicU64,
     /// Peak of rounded live bytes (`allocated`) since the last
-    /// [`Counters::start_window`] (the idle release policy's measure of
+    /// [`Counters::take_window`] (the idle release policy's measure of
     /// what the last busy period needed).
     pub window_peak_active: AtomicU64,
 }

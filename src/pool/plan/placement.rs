@@ -3,7 +3,7 @@
 //! Input: blocks `(len, start, end)` on one logical clock, each live on
 //! `[start, end)`. Output: an offset per block and the arena length, such
 //! that two blocks whose lifetimes overlap never overlap in the arena
-//! (invariant, checked by [`check`] and the property test below).
+//! (invariant, checked by `check` and the property tests below).
 //!
 //! The method is greedy (Pisarchyk and Lee, "Efficient Memory Management
 //! for Deep Neural Net Inference", 2020), the planners' baseline that the
@@ -11,7 +11,7 @@
 //! each placed in a gap between the blocks already placed that overlap it
 //! in time, or above them all when no gap fits. Large blocks go first, so
 //! the small ones fill the holes that the large ones' lifetimes leave.
-//! [`place`] runs four variants (order by length or by length times
+//! [`place_around`] runs four variants (order by length or by length times
 //! lifetime; smallest fitting gap or lowest one) and keeps the shortest
 //! arena. The arena is never shorter than the peak of the live lengths (a
 //! lower bound); on the traces we have the plan is within 1% of it.
@@ -43,7 +43,8 @@ pub(crate) fn place(lives: &[Life]) -> (Vec<u64>, u64) {
     place_around(lives, &[])
 }
 
-/// [`place`] in an address space where `fixed` (sorted, disjoint
+/// Offsets for `lives` (same order), the shortest of the four greedy
+/// variants, in an address space where `fixed` (sorted, disjoint
 /// `(start, end)` intervals) is taken throughout: no block overlaps a fixed
 /// interval. The length returned is the highest end of a block.
 pub(crate) fn place_around(lives: &[Life], fixed: &[(u64, u64)]) -> (Vec<u64>, u64) {
