@@ -496,7 +496,8 @@ mod repeated {
     //! random departures (another size, a free moved to the step's end, a
     //! block used on the other stream), keeps every live block's bytes its
     //! own, passes the audit after every step, and follows its plan in every
-    //! step that repeats the one before it exactly.
+    //! step that repeats the one before it exactly; blocks allocated after
+    //! the first step that live to the end keep their bytes too.
     use super::*;
     use proptest::prelude::*;
 
@@ -627,16 +628,30 @@ mod repeated {
         fn repeated_steps_with_departures_stay_correct(
             blks in proptest::collection::vec(blk(), 1..10),
             changes in proptest::collection::vec(change(), 3..7),
+            survivors in proptest::collection::vec((0..2usize, 1usize..8), 0..4),
         ) {
             let be = sim(1 << 30);
             let pool = pool(&be);
             let st = [pool.new_stream().unwrap(), pool.new_stream().unwrap()];
+            let mut kept: Vec<(usize, Block<'_>)> = Vec::new();
             let mut prev_plain = false;
             for (k, ch) in std::iter::once(Change::None).chain(changes).enumerate() {
                 pool.mark_step().unwrap();
                 let (served, departures) = (pool.plan_stats().served, pool.plan_stats().departures);
                 run(&be, &pool, &st, &blks, &ch, k as u64 * 1000);
                 pool.audit().unwrap();
+                if k == 0 {
+                    // Blocks allocated between the first step and its mark
+                    // land in what the step freed and live to the end: the
+                    // plan is laid around them (or in a fresh range).
+                    for (j, &(si, q)) in survivors.iter().enumerate() {
+                        let s = &st[si];
+                        let b = pool.alloc(q * MIB / 4 + 4096, s).unwrap();
+                        be.launch_write_pattern(0, s.handle(), b.ptr(), b.size() as u64, 77_000 + j as u64, Duration::ZERO)
+                            .unwrap();
+                        kept.push((si, b));
+                    }
+                }
                 let plain = matches!(ch, Change::None);
                 // A step repeating the plain step before it follows the
                 // plan (the first plain step after a departure records).
@@ -646,6 +661,21 @@ mod repeated {
                 }
                 prev_plain = plain;
             }
+            let checks: Vec<_> = kept
+                .iter()
+                .enumerate()
+                .map(|(j, (si, b))| {
+                    be.launch_verify_pattern(0, st[*si].handle(), b.ptr(), b.size() as u64, 77_000 + j as u64, Duration::ZERO)
+                        .unwrap()
+                })
+                .collect();
+            for s in &st {
+                be.sync_stream(0, s.handle()).unwrap();
+            }
+            for c in checks {
+                prop_assert_eq!(c.mismatches(), Some(0), "a block living across the steps changed");
+            }
+            drop(kept);
             prop_assert_eq!(be.integrity_errors(0), 0);
             pool.trim().unwrap();
             pool.audit().unwrap();
