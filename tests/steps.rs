@@ -4,7 +4,7 @@
 //! the plan (another size, a late free, a free on another stream, a stream
 //! that ends, memory that runs short) is served correctly and leaks nothing.
 
-use gpupool::backend::sim::SimBackend;
+use gpupool::backend::sim::{SimBackend, VerifyResult};
 use gpupool::backend::{Backend, Call};
 use gpupool::{Block, DevicePool, PoolConfig, SimConfig, Stream};
 use std::sync::{Arc, Barrier};
@@ -115,11 +115,26 @@ fn a_repeating_step_is_served_from_its_plan_with_no_driver_call() {
     assert_eq!(be.integrity_errors(0), 0);
 }
 
-/// A step whose temporaries sit between blocks that outlive it (weights
-/// allocated amid activations): the plan is laid over the memory those
-/// temporaries used, around the survivors, so the mark moves no physical
-/// memory (a fresh arena above them all would take every granule by an
-/// unmap and a map), and the survivors' bytes stay theirs.
+/// Writes `b`'s pattern `k` on `s`.
+fn write_pattern(be: &SimBackend, s: &Stream, b: &Block<'_>, k: u64) {
+    be.launch_write_pattern(0, s.handle(), b.ptr(), b.size() as u64, k, Duration::ZERO)
+        .unwrap();
+}
+
+/// Checks on `s` that `b` still holds pattern `k`, after `s`'s queued work.
+fn verify_pattern(be: &SimBackend, s: &Stream, b: &Block<'_>, k: u64) -> Arc<VerifyResult> {
+    be.launch_verify_pattern(0, s.handle(), b.ptr(), b.size() as u64, k, Duration::ZERO)
+        .unwrap()
+}
+
+/// Waits for `s` and asserts that every check found its pattern.
+fn expect_intact(be: &SimBackend, s: &Stream, checks: Vec<Arc<VerifyResult>>, what: &str) {
+    be.sync_stream(0, s.handle()).unwrap();
+    for c in checks {
+        assert_eq!(c.mismatches(), Some(0), "{what}");
+    }
+}
+
 /// One step of `a_plan_is_laid_in_place_...`: six activations, alive
 /// together, checked and freed, each followed by a 2 MiB block that the
 /// first step (`seed` 1) keeps in `kept` beyond the step (weights), and
@@ -135,45 +150,23 @@ fn step_beside_survivors<'a>(
     let mut temps = Vec::new();
     for l in 0..6u64 {
         let a = dev.alloc((6 + l as usize % 3) * MIB, s).unwrap();
-        be.launch_write_pattern(
-            0,
-            s.handle(),
-            a.ptr(),
-            a.size() as u64,
-            seed * 100 + l,
-            Duration::ZERO,
-        )
-        .unwrap();
+        write_pattern(be, s, &a, seed * 100 + l);
         acts.push((a, seed * 100 + l));
         let w = dev.alloc(2 * MIB, s).unwrap();
         if seed == 1 {
-            be.launch_write_pattern(
-                0,
-                s.handle(),
-                w.ptr(),
-                w.size() as u64,
-                9000 + l,
-                Duration::ZERO,
-            )
-            .unwrap();
+            write_pattern(be, s, &w, 9000 + l);
             kept.push((w, 9000 + l));
         } else {
             temps.push(w);
         }
     }
     drop(temps);
-    let checks: Vec<_> = acts
+    let checks = acts
         .iter()
-        .map(|(a, k)| {
-            be.launch_verify_pattern(0, s.handle(), a.ptr(), a.size() as u64, *k, Duration::ZERO)
-                .unwrap()
-        })
+        .map(|(a, k)| verify_pattern(be, s, a, *k))
         .collect();
     drop(acts);
-    be.sync_stream(0, s.handle()).unwrap();
-    for c in checks {
-        assert_eq!(c.mismatches(), Some(0), "a live block's bytes changed");
-    }
+    expect_intact(be, s, checks, "a live block's bytes changed");
 }
 
 /// A step whose temporaries sit between blocks that outlive it (weights
@@ -219,21 +212,11 @@ fn a_plan_is_laid_in_place_around_blocks_that_outlive_the_step() {
         0,
         "followed steps made VM driver calls"
     );
-    let checks: Vec<_> = kept
+    let checks = kept
         .iter()
-        .map(|(w, k)| {
-            be.launch_verify_pattern(0, s.handle(), w.ptr(), w.size() as u64, *k, Duration::ZERO)
-                .unwrap()
-        })
+        .map(|(w, k)| verify_pattern(&be, &s, w, *k))
         .collect();
-    be.sync_stream(0, s.handle()).unwrap();
-    for c in checks {
-        assert_eq!(
-            c.mismatches(),
-            Some(0),
-            "a block outliving its step changed"
-        );
-    }
+    expect_intact(&be, &s, checks, "a block outliving its step changed");
     drop(kept);
     dev.audit().unwrap();
     assert_eq!(be.integrity_errors(0), 0);

@@ -377,11 +377,6 @@ impl Heap {
         Some(self.take(raddr, r.len, start, len, ctx))
     }
 
-    /// Granules of `[start, start + len)` with no physical memory.
-    pub(crate) fn unbacked_granules(&self, start: u64, len: u64) -> u64 {
-        self.unbacked(start, len)
-    }
-
     /// The granules a fresh range of `len` bytes for `slot` would need
     /// backed, where [`Heap::alloc`] would place it (`None`: no range fits).
     pub(crate) fn unbacked_at_best_fit(&self, len: u64, slot: u16) -> Option<u64> {

@@ -48,7 +48,7 @@ impl Heap {
     /// Granules of `[start, start+len)` with no physical memory (0 in
     /// segment mode, where free memory is always backed).
     #[inline]
-    pub(super) fn unbacked(&self, start: u64, len: u64) -> u64 {
+    pub(crate) fn unbacked(&self, start: u64, len: u64) -> u64 {
         let Physical::Vmm {
             base,
             mapped,

@@ -701,7 +701,7 @@ impl PoolShared {
         if pieces.iter().map(|p| p.1).sum::<u64>() != covered {
             return None;
         }
-        let unbacked = |h: &super::HeapState, &(a, l): &(u64, u64)| h.heap.unbacked_granules(a, l);
+        let unbacked = |h: &super::HeapState, &(a, l): &(u64, u64)| h.heap.unbacked(a, l);
         let need: u64 = pieces.iter().map(|p| unbacked(&h, p)).sum();
         let fresh = h.heap.unbacked_at_best_fit(fresh_len, slot)?;
         if need >= fresh {
