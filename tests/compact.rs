@@ -3,6 +3,7 @@
 //! kernels checking every byte.
 
 use gpupool::backend::sim::SimBackend;
+use gpupool::backend::Call;
 use gpupool::compact::fragment::{self, FragmentOptions};
 use gpupool::compact::CompactTotals;
 use gpupool::{CompactOptions, DevicePool, Error, MovableBlock, PoolConfig, SimConfig, Stream};
@@ -157,6 +158,56 @@ fn without_compact_release_the_emptied_memory_stays_cached() {
     drop(b);
     assert!(pool.trim().unwrap() >= 2 << 20);
     drop(live);
+}
+
+/// A pass started without waiting commits later, in `maintain` (as the
+/// runtime's maintenance thread does): the regions it empties are given
+/// back to the device or kept as the call that started it asked, not as
+/// the committer's configuration says. A training loop compacts between
+/// steps keeping what it empties, because the next step takes it again.
+#[test]
+fn a_pass_committed_by_maintain_keeps_its_callers_release_choice() {
+    for release in [false, true] {
+        let pool = pool();
+        assert!(pool.config().compact_release, "the default releases");
+        let s = pool.new_stream().unwrap();
+        let live = fragmented(&pool, &s, 400);
+        sync(&pool, &s);
+        pool.maintain();
+        let reserved = pool.stats().reserved_bytes.current;
+        let releases = pool.backend().counters().get(Call::MemRelease);
+        let before = pool.compact_totals();
+        sim(&pool)
+            .set_op_delay(0, Duration::from_millis(30))
+            .unwrap();
+        let r = pool
+            .compact(CompactOptions {
+                release,
+                wait: false,
+                ..CompactOptions::default()
+            })
+            .unwrap();
+        assert!(r.in_flight && r.blocks_planned > 0, "{r:?}");
+        sim(&pool).set_op_delay(0, Duration::ZERO).unwrap();
+        let t = finish(&pool, before);
+        assert!(t.regions_released > 0, "{t:?}");
+        let now = pool.stats().reserved_bytes.current;
+        let released = pool.backend().counters().get(Call::MemRelease) - releases;
+        if release {
+            assert!(
+                now < reserved && released > 0,
+                "{now} {reserved} {released}"
+            );
+        } else {
+            assert_eq!((now, released), (reserved, 0));
+        }
+        for (b, seed) in &live {
+            touch(&pool, b, &s, *seed, false);
+        }
+        sync(&pool, &s);
+        assert_eq!(sim(&pool).integrity_errors(0), 0);
+        pool.audit().unwrap();
+    }
 }
 
 #[test]

@@ -97,6 +97,10 @@ pub(crate) struct InFlight {
     /// Recorded on the compaction stream after the moves.
     pub done: EventHandle,
     pub started: Instant,
+    /// Whether the regions this pass empties go back to the device
+    /// (`CompactOptions::release` of the call that started it), however
+    /// late and by whom it is committed.
+    pub release: bool,
 }
 
 /// Running totals over the pool's life.

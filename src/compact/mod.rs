@@ -173,7 +173,9 @@ pub struct CompactOptions {
     /// Most blocks the pass moves (`compact_max_blocks`).
     pub max_blocks: usize,
     /// Give the memory the pass empties back to the device
-    /// (`compact_release`); otherwise it stays cached in the pool.
+    /// (`compact_release`); otherwise it stays cached in the pool. The
+    /// pass keeps this choice when another call (a later `compact`,
+    /// `maintain`) commits it.
     pub release: bool,
     /// Block the host until an earlier pass in flight completed, then
     /// until this pass's moves complete, and commit them before returning.
@@ -301,7 +303,7 @@ fn run(shared: &PoolShared, opts: CompactOptions) -> Result<CompactReport> {
         }
     }
     absorb(&mut r, pass::service(shared, &mut st));
-    let started = pass::start(shared, &mut st, budget)?;
+    let started = pass::start(shared, &mut st, budget, opts.release)?;
     if let Some(s) = started {
         r.blocks_planned = s.blocks;
         r.bytes_planned = s.bytes;
@@ -315,7 +317,9 @@ fn run(shared: &PoolShared, opts: CompactOptions) -> Result<CompactReport> {
     }
     r.in_flight = st.pass.is_some();
     drop(st);
-    if opts.release && r.regions_released > 0 {
+    // The regions emptied by passes that asked for it (this one's, if it
+    // committed, or an earlier one's committed here).
+    if r.regions_released > 0 {
         shared.release_cached_memory();
     }
     r.bytes_released = reserved0.saturating_sub(shared.reserved_now());

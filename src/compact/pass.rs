@@ -50,9 +50,12 @@ pub(crate) fn service(pool: &PoolShared, st: &mut ArenaState) -> Serviced {
                 i += 1;
             }
         }
+        // Emptied by frees, not by a pass: cached like any freed memory
+        // (trim and the idle release give it back), so that a loop whose
+        // steps free and allocate movable blocks makes no driver call.
         for base in emptied {
             if st.drop_if_empty(base) {
-                pool.free_region(base);
+                pool.free_region(base, false);
                 s.regions_released += 1;
             }
         }
@@ -109,7 +112,7 @@ pub(crate) fn commit(pool: &PoolShared, st: &mut ArenaState) -> Serviced {
     touched.dedup();
     for base in touched {
         if st.drop_if_empty(base) {
-            pool.free_region(base);
+            pool.free_region(base, pass.release);
             s.regions_released += 1;
         }
     }
@@ -147,6 +150,7 @@ pub(crate) fn start(
     pool: &PoolShared,
     st: &mut ArenaState,
     budget: Budget,
+    release: bool,
 ) -> Result<Option<Started>> {
     if st.pass.is_some() {
         return Ok(None);
@@ -169,6 +173,7 @@ pub(crate) fn start(
                 sources: plan.sources,
                 done,
                 started: std::time::Instant::now(),
+                release,
             });
             Ok(Some(started))
         }
@@ -235,8 +240,9 @@ pub(crate) fn release_or_park(pool: &PoolShared, st: &mut ArenaState, p: Pending
     if p.events.is_empty() && p.unrecorded.is_empty() {
         st.unhold_free(p.addr, p.len);
         let base = st.region_of(p.addr);
+        // Emptied by a free: cached (see `service`).
         if st.drop_if_empty(base) {
-            pool.free_region(base);
+            pool.free_region(base, false);
         }
     } else {
         st.pending.push(p);
@@ -267,9 +273,10 @@ pub(crate) fn sync_all(pool: &PoolShared, st: &mut ArenaState) -> Serviced {
         .filter(|(_, r)| r.live == 0 && r.held == 0)
         .map(|(&b, _)| b)
         .collect();
+    // To the heap; trim releases it next (teardown releases everything).
     for base in empty {
         if st.drop_if_empty(base) {
-            pool.free_region(base);
+            pool.free_region(base, false);
             s.regions_released += 1;
         }
     }

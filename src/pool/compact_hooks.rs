@@ -275,14 +275,18 @@ impl PoolShared {
 
     /// Gives an empty region back to the heap. Every use of its memory has
     /// completed (the arena frees ranges only after their events), so the
-    /// range is clean.
-    pub(crate) fn free_region(&self, addr: u64) {
+    /// range is clean. With `release`, its physical memory goes back to the
+    /// device at the next [`PoolShared::release_cached_memory`]; without,
+    /// it stays cached for the next allocations.
+    pub(crate) fn free_region(&self, addr: u64, release: bool) {
         let mut h = self.heap.lock();
         let len = h
             .heap
             .free(addr, Tag::Clean)
             .expect("movable regions are allocated ranges");
-        h.freed_regions.push((addr, len));
+        if release {
+            h.freed_regions.push((addr, len));
+        }
     }
 
     /// Releases to the device the physical memory of the regions emptied

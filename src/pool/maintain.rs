@@ -81,10 +81,10 @@ impl DevicePool {
         }
         let idle_for = now - idle.since;
         let mut compaction = Some(self.shared.movable().service(&self.shared));
+        // Regions emptied by passes that asked to give them back (each
+        // pass keeps its caller's choice, see `CompactOptions::release`).
         if let Some(c) = compaction.as_mut().filter(|c| c.regions_released > 0) {
-            if self.shared.cfg().compact_release {
-                c.bytes_released += self.shared.release_cached_memory();
-            }
+            c.bytes_released += self.shared.release_cached_memory();
         }
         let due = self.shared.cfg().idle.is_some_and(|d| idle_for >= d);
         if due && !idle.compacted {

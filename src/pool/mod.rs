@@ -104,8 +104,8 @@ struct HeapState {
     /// Slab ids free for reuse.
     /// Retired slab ids by class (an id is only reused within its class).
     free_slab_ids: Vec<Vec<u32>>,
-    /// Movable regions given back to the heap since compaction last
-    /// released memory: `(addr, len)`.
+    /// Movable regions given back to the heap, to be released to the
+    /// device, since compaction last released memory: `(addr, len)`.
     freed_regions: Vec<(u64, u64)>,
     /// Granules aliased by stitching, released when their event completes.
     quarantine: Vec<(Waits, heap::GranuleRuns)>,
