@@ -26,8 +26,9 @@
 //! default). Once a pool has been idle for `idle_release_ms`, its thread
 //! takes the peak of active bytes of the busy period that just ended
 //! ([`DevicePool::take_window_peak`]) and, while cached bytes exceed
-//! `release_fraction` (default 2) times that peak, gives cached memory
-//! back without blocking ([`DevicePool::release_cache`]). A pool that needed
+//! `release_fraction` (default 2) times that peak, gives the cached memory
+//! above it back without blocking ([`DevicePool::release_cache_above`]):
+//! what the next period of the same size needs stays mapped. A pool that needed
 //! about what it holds keeps it (no grow/release churn in a steady loop);
 //! a pool that grew for a large batch and then runs smaller ones gives the
 //! surplus back at its next idle gap, with no call from the user.

@@ -18,23 +18,33 @@ impl DevicePool {
     /// cached in other threads' per-thread caches stay too. Returns the
     /// bytes given back.
     pub fn release_cache(&self) -> u64 {
-        self.release_cache_while(|| true).unwrap_or(0)
+        self.release_cache_while(|| true, 0).unwrap_or(0)
     }
 
-    /// [`DevicePool::release_cache`] unless the pool saw an allocation or
-    /// a free after its last `maintain` call measured it idle: `None` then,
-    /// and nothing is given back. The idle release policy decides on that
-    /// measure; without the check, a busy period starting in between would
-    /// lose the memory it had just asked for.
-    pub(crate) fn release_cache_if_quiet(&self) -> Option<u64> {
+    /// [`DevicePool::release_cache`], keeping `keep` bytes cached: gives
+    /// back whole granules (or segments), spare chunks first and then idle
+    /// memory from the top of the reservation down, while the cached bytes
+    /// stay at or above `keep` (`PoolStats::cached_bytes`). What a busy
+    /// period about to come back needs stays mapped. Returns the bytes
+    /// given back.
+    pub fn release_cache_above(&self, keep: u64) -> u64 {
+        self.release_cache_while(|| true, keep).unwrap_or(0)
+    }
+
+    /// [`DevicePool::release_cache_above`] unless the pool saw an
+    /// allocation or a free after its last `maintain` call measured it
+    /// idle: `None` then, and nothing is given back. The idle release
+    /// policy decides on that measure; without the check, a busy period
+    /// starting in between would lose the memory it had just asked for.
+    pub(crate) fn release_cache_above_if_quiet(&self, keep: u64) -> Option<u64> {
         let seen = self.shared.idle.lock().ops;
-        self.release_cache_while(|| self.shared.counters.traffic() == seen)
+        self.release_cache_while(|| self.shared.counters.traffic() == seen, keep)
     }
 
     /// The release, given up (`None`) where `go` fails before it starts or
     /// under the heap lock just before the bytes go back, so memory cached
     /// by traffic after that check stays cached.
-    fn release_cache_while(&self, go: impl Fn() -> bool) -> Option<u64> {
+    fn release_cache_while(&self, go: impl Fn() -> bool, keep: u64) -> Option<u64> {
         let sh = &self.shared;
         if sh.check_live().is_err() || sh.capture.underway() {
             return Some(0);
@@ -46,8 +56,12 @@ impl DevicePool {
         sh.flush_all_streams();
         sh.harvest();
         sh.retire_empty_slabs();
+        let limit = match keep {
+            0 => u64::MAX,
+            _ => self.stats().cached_bytes.current.saturating_sub(keep),
+        };
         let mut heap = sh.heap.lock();
-        go().then(|| heap.heap.release_cached())
+        go().then(|| heap.heap.release_cached_up_to(limit))
     }
 
     /// Makes every freed byte reusable by any stream, keeping it (unlike
@@ -90,6 +104,7 @@ impl DevicePool {
 #[cfg(test)]
 mod tests {
     use crate::backend::sim::SimBackend;
+    use crate::backend::Call;
     use crate::config::{PoolConfig, SimConfig};
     use crate::pool::DevicePool;
     use std::sync::Arc;
@@ -139,6 +154,30 @@ mod tests {
         assert!(p.stats().reserved_bytes.current >= 8 << 20);
     }
 
+    /// A release that keeps `keep` bytes cached gives back whole granules
+    /// from the top of the cache down to it, and the next request of the
+    /// kept size needs no device memory.
+    #[test]
+    fn release_cache_above_keeps_what_it_is_asked_to() {
+        let p = pool();
+        let s = p.new_stream().unwrap();
+        let gran = p.info().granularity;
+        drop(p.alloc(64 << 20, &s).unwrap());
+        p.settle().unwrap();
+        assert_eq!(p.stats().cached_bytes.current, 64 << 20);
+        let keep = 10 * gran + gran / 2;
+        assert_eq!(p.release_cache_above(keep), (64 << 20) - 11 * gran);
+        assert_eq!(p.stats().cached_bytes.current, 11 * gran);
+        assert_eq!(p.release_cache_above(keep), 0, "nothing above keep");
+        let creates = p.backend().counters().get(Call::MemCreate);
+        drop(p.alloc((10 * gran) as usize, &s).unwrap());
+        assert_eq!(p.backend().counters().get(Call::MemCreate), creates);
+        p.settle().unwrap();
+        p.audit().unwrap();
+        assert_eq!(p.release_cache(), 11 * gran);
+        assert_eq!(p.stats().reserved_bytes.current, 0);
+    }
+
     /// The idle release policy's release holds back when traffic came
     /// after `maintain` measured the pool idle, and goes ahead once a
     /// later measure saw that traffic.
@@ -151,11 +190,11 @@ mod tests {
         p.maintain();
         drop(p.alloc(16 << 20, &s).unwrap());
         let reserved = p.stats().reserved_bytes.current;
-        assert_eq!(p.release_cache_if_quiet(), None);
+        assert_eq!(p.release_cache_above_if_quiet(0), None);
         assert_eq!(p.stats().reserved_bytes.current, reserved);
         p.settle().unwrap();
         p.maintain();
-        assert_eq!(p.release_cache_if_quiet(), Some(reserved));
+        assert_eq!(p.release_cache_above_if_quiet(0), Some(reserved));
         assert_eq!(p.stats().reserved_bytes.current, 0);
     }
 }

@@ -14,8 +14,8 @@
 //! pool has been idle for `idle_release`, the thread takes the peak of
 //! active bytes of the busy period that just ended
 //! ([`DevicePool::take_window_peak`]) and, while cached bytes exceed
-//! `release_fraction` times that peak, gives cached memory back without
-//! blocking ([`DevicePool::release_cache`]). A pool that needed as much as
+//! `release_fraction` times that peak, gives the cached memory above it
+//! back without blocking ([`DevicePool::release_cache_above`]). A pool that needed as much as
 //! it holds keeps it (no grow-release churn in a steady loop); a pool that
 //! grew for a large batch and then runs smaller ones gives the difference
 //! back at its next idle gap. Memory still in flight on the device goes on
@@ -207,7 +207,8 @@ fn run(
                 let st = pool.stats();
                 if !exhausted && over_threshold(st.cached_bytes.current, need, cfg.release_fraction)
                 {
-                    match pool.release_cache_if_quiet() {
+                    let keep = (cfg.release_fraction * need as f64) as u64;
+                    match pool.release_cache_above_if_quiet(keep) {
                         // Traffic since `maintain` measured the gap: a new
                         // busy period, whose peak the next gap takes.
                         None => busy_peak = None,

@@ -330,36 +330,49 @@ impl Heap {
         Some(chunk)
     }
 
-    pub(super) fn unmap_granule_to_spare(&mut self, g: u32) {
-        if let Some(c) = self.unmap_granule(g) {
-            self.push_spare(c);
-        }
-    }
-
     // ---- giving memory back ------------------------------------------------------------
 
     /// Releases every unmapped spare chunk, every idle clean granule and
     /// (segment mode) every wholly free clean segment to the device. Returns
     /// the bytes released.
     pub(crate) fn release_cached(&mut self) -> u64 {
+        self.release_cached_up_to(u64::MAX)
+    }
+
+    /// [`Heap::release_cached`], giving back at most `limit` bytes: spare
+    /// chunks first (already unmapped), then idle clean granules from the
+    /// top of the reservation down (or free segments), each only while it
+    /// fits in what is left of `limit`. The idle release policy keeps
+    /// what the next busy period is likely to need this way.
+    pub(crate) fn release_cached_up_to(&mut self, limit: u64) -> u64 {
         if self.capture_hold {
             return 0;
         }
         let before = self.reserved;
+        let fits = |h: &Heap, bytes: u64| before - h.reserved + bytes <= limit;
         match &self.phys {
             Physical::Vmm { idle, .. } => {
                 let idle: Vec<u32> = idle.iter().collect();
-                for g in idle {
-                    if self.granule_is_clean(g) {
-                        self.unmap_granule_to_spare(g);
-                    }
-                }
                 let spare = match &mut self.phys {
                     Physical::Vmm { spare, .. } => std::mem::take(spare),
                     Physical::Segments { .. } => unreachable!(),
                 };
                 for c in spare {
-                    self.release_chunk(c);
+                    if fits(self, self.gran) {
+                        self.release_chunk(c);
+                    } else {
+                        self.push_spare(c);
+                    }
+                }
+                for g in idle.into_iter().rev() {
+                    if !fits(self, self.gran) {
+                        break;
+                    }
+                    if self.granule_is_clean(g) {
+                        if let Some(c) = self.unmap_granule(g) {
+                            self.release_chunk(c);
+                        }
+                    }
                 }
             }
             Physical::Segments { segs } => {
@@ -369,6 +382,9 @@ impl Heap {
                     .map(|(b, l)| (*b, *l))
                     .collect();
                 for (b, l) in free {
+                    if !fits(self, l) {
+                        continue;
+                    }
                     if let Err(e) = self.backend.free_segment(self.dev, DevicePtr(b)) {
                         tracing::warn!(device = self.dev, "cuMemFree failed: {e}");
                         continue;

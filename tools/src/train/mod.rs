@@ -100,9 +100,9 @@ pub struct IdleWork {
     /// wait for it.
     pub compact: bool,
     /// The idle release test of the maintenance threads, applied to the
-    /// step just run: give cached memory back
-    /// ([`DevicePool::release_cache`]) when it exceeds this multiple of
-    /// the step's peak of active bytes (`None`: no release).
+    /// step just run: give back the cached memory above this multiple of
+    /// the step's peak of active bytes
+    /// ([`DevicePool::release_cache_above`]; `None`: no release).
     pub release_fraction: Option<f64>,
 }
 
@@ -381,8 +381,9 @@ impl<'a> Device<'a> {
         let step_peak = pool.take_window_peak();
         if let Some(fraction) = w.release_fraction {
             let cached = pool.stats().cached_bytes.current;
-            if cached as f64 > fraction * step_peak as f64 {
-                let freed = pool.release_cache();
+            let keep = fraction * step_peak as f64;
+            if cached as f64 > keep {
+                let freed = pool.release_cache_above(keep as u64);
                 if freed > 0 {
                     self.report.idle_releases += 1;
                     self.report.idle_released_bytes += freed;
