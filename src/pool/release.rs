@@ -56,6 +56,8 @@ impl DevicePool {
         sh.flush_all_streams();
         sh.harvest();
         sh.retire_empty_slabs();
+        // Nothing kept: everything releasable, however the cached count
+        // (which also holds free slab slots no release gives) compares.
         let limit = match keep {
             0 => u64::MAX,
             _ => self.stats().cached_bytes.current.saturating_sub(keep),
