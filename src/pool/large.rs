@@ -8,7 +8,7 @@ use super::pending::{Pending, Waits};
 use super::size_class::ALIGN;
 use super::{HeapState, LargeLive, PoolShared, Stream};
 use crate::error::Result;
-use std::sync::atomic::Ordering::{Relaxed, Release};
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
 /// Which pending memory a heap allocation may take (by handover, or by
 /// stitching its idle granules); none while handover is off or a capture
@@ -66,12 +66,16 @@ impl PoolShared {
         // Memory whose uses are complete, by any stream, before growing:
         // other streams' idle dirty memory is flushed (one event per stream,
         // no wait) when it would cover the request, and completed frees are
-        // harvested (queries only).
+        // harvested (queries only). Some dirty memory elsewhere is needed
+        // however much is parked: with none, the flush would only make
+        // this stream's own free memory pending, and every other thread
+        // that shares the stream would grow the device beside it until
+        // the event was recorded.
         let flush_others = {
             let h = self.heap.lock();
             h.heap.dirty_elsewhere_at_least(
                 stream.slot(),
-                len.saturating_sub(self.by_stream.parked_bytes()),
+                len.saturating_sub(self.by_stream.parked_bytes()).max(1),
             )
         };
         if flush_others {
@@ -102,6 +106,18 @@ impl PoolShared {
             // wait on a slow or stalled stream's work only when the device
             // (or the cap) has no room left, as `cudaMallocAsync` inserts
             // its internal dependencies only when it cannot map more.
+            if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, PendingUse::Draining)? {
+                return keep(&mut h, t.addr);
+            }
+        }
+        // Addresses of granules that stitching aliased (the quarantine) are
+        // held until their old uses complete, and only a harvest frees
+        // them. With no pending record to start one, a loop that stitches
+        // used the whole reservation up with them, and its requests took
+        // the at-capacity path below (a flush of every stream) on a device
+        // a fifth full: harvest them, and try growth again.
+        if self.quarantined.load(Acquire) && self.try_harvest() > 0 {
+            let mut h = self.heap.lock();
             if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, PendingUse::Draining)? {
                 return keep(&mut h, t.addr);
             }
