@@ -382,30 +382,8 @@ impl PoolShared {
     /// and the heap group) share that event (see `event_pool.rs`): both
     /// are taken before it is recorded, so it covers both.
     pub(super) fn flush_slot(&self, slot: usize, core: &Arc<StreamCore>) {
-        // The heap's dirty ranges first, as a group that reads as
-        // unrecorded on this stream until the event is recorded (outside
-        // the heap lock: no driver call runs under it). Until then nothing
-        // hands it over or steals its granules, and only a host sync of the
-        // stream (the way to out of memory) completes it.
-        let group = {
-            let mut h = self.heap.lock();
-            for (_, addr) in self.by_stream.drain_slot(slot as u16) {
-                h.heap
-                    .free(addr, Tag::Dirty(slot as u16))
-                    .expect("parked ranges are allocated");
-            }
-            h.heap.flush_dirty(slot as u16).map(|(id, _)| {
-                h.insert_group(
-                    id,
-                    Waits {
-                        unrecorded: vec![core.clone()],
-                        ..Waits::default()
-                    },
-                );
-                id
-            })
-        };
-        // Slots still waiting on other streams (see `returning.rs`,
+        // The small slots first (any taken before the record is covered by
+        // it). Slots still waiting on other streams (see `returning.rs`,
         // invariant 2): they join the stream's dirty slots, and their
         // waits the record's.
         let mut returned_waits = Waits::default();
@@ -428,6 +406,31 @@ impl PoolShared {
             })
             .filter(|(_, idxs)| !idxs.is_empty())
             .collect();
+        // Then the heap's dirty ranges, as a group that reads as
+        // unrecorded on this stream until the event is recorded (outside
+        // the heap lock: no driver call runs under it). Until then nothing
+        // hands it over or steals its granules, and only a host sync of the
+        // stream (the way to out of memory) completes it, so the group is
+        // made last, just before the record: other threads short of memory
+        // grew the device beside it while this thread collected the slots.
+        let group = {
+            let mut h = self.heap.lock();
+            for (_, addr) in self.by_stream.drain_slot(slot as u16) {
+                h.heap
+                    .free(addr, Tag::Dirty(slot as u16))
+                    .expect("parked ranges are allocated");
+            }
+            h.heap.flush_dirty(slot as u16).map(|(id, _)| {
+                h.insert_group(
+                    id,
+                    Waits {
+                        unrecorded: vec![core.clone()],
+                        ..Waits::default()
+                    },
+                );
+                id
+            })
+        };
         if parts.is_empty() && group.is_none() {
             return;
         }
