@@ -115,8 +115,10 @@ impl PoolShared {
         // them. With no pending record to start one, a loop that stitches
         // used the whole reservation up with them, and its requests took
         // the at-capacity path below (a flush of every stream) on a device
-        // a fifth full: harvest them, and try growth again.
-        if self.quarantined.load(Acquire) && self.try_harvest() > 0 {
+        // a fifth full: harvest them (waiting for a harvest another thread
+        // runs, which may be releasing them), and try growth again.
+        if self.quarantined.load(Acquire) {
+            self.harvest();
             let mut h = self.heap.lock();
             if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, PendingUse::Draining)? {
                 return keep(&mut h, t.addr);
