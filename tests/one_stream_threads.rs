@@ -3,29 +3,18 @@
 //! at-capacity path (which flushes every stream's free memory behind an
 //! event) on a device far from full (`pool/large.rs`, before growth).
 
-use gpupool::backend::sim::SimBackend;
-use gpupool::{PoolConfig, Runtime, SimConfig};
+mod common;
+
 use std::collections::VecDeque;
-use std::sync::Arc;
 
 /// A runtime over one simulated 1 GiB device, without the maintenance
 /// thread (whose harvests would hide a missing one on the allocation
 /// path), its reservation `va_factor` times the device.
-fn runtime(va_factor: u64) -> Runtime {
-    let be = Arc::new(
-        SimBackend::new(SimConfig {
-            devices: 1,
-            capacity_bytes: 1 << 30,
-            ..Default::default()
-        })
-        .unwrap(),
-    );
-    let cfg = PoolConfig {
-        maintenance_tick: None,
-        va_factor,
-        ..PoolConfig::default()
-    };
-    Runtime::with_backend(be, cfg).unwrap()
+fn runtime(va_factor: u64) -> gpupool::Runtime {
+    common::sim_runtime(&format!(
+        "backend=sim,devices=1,capacity=1GiB,va_factor={va_factor}"
+    ))
+    .0
 }
 
 /// `n` raw blocks of 1..=16 MiB from xorshift seed `seed`, each freed

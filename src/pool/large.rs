@@ -113,10 +113,10 @@ impl PoolShared {
         // Addresses of granules that stitching aliased (the quarantine) are
         // held until their old uses complete, and only a harvest frees
         // them. With no pending record to start one, a loop that stitches
-        // used the whole reservation up with them, and its requests took
-        // the at-capacity path below (a flush of every stream) on a device
-        // a fifth full: harvest them (waiting for a harvest another thread
-        // runs, which may be releasing them), and try growth again.
+        // uses the whole reservation up with them, and its requests would
+        // take the at-capacity path below (a flush of every stream) on a
+        // device far from full: harvest them (waiting for a harvest another
+        // thread runs, which may be releasing them), and try growth again.
         if self.quarantined.load(Acquire) {
             self.harvest();
             let mut h = self.heap.lock();

@@ -410,9 +410,9 @@ impl PoolShared {
         // unrecorded on this stream until the event is recorded (outside
         // the heap lock: no driver call runs under it). Until then nothing
         // hands it over or steals its granules, and only a host sync of the
-        // stream (the way to out of memory) completes it, so the group is
+        // stream (the way to out of memory) completes it. So the group is
         // made last, just before the record: other threads short of memory
-        // grew the device beside it while this thread collected the slots.
+        // grow the device beside it for as long as it stays unrecorded.
         let group = {
             let mut h = self.heap.lock();
             for (_, addr) in self.by_stream.drain_slot(slot as u16) {
