@@ -4,8 +4,9 @@
 //! A free of a pointer live on another device is reported as
 //! `GPUPOOL_STATUS_WRONG_DEVICE` naming the owner (`State::classify`).
 
-use super::state::with_state;
-use super::status::{status, FResult, Fail};
+use super::state::{with_state, with_state_in};
+use super::status::{status, status_in, FResult, Fail};
+use super::thread::{with_thread, FfiThread};
 use crate::ptr::DevicePtr;
 use std::ffi::{c_int, c_void};
 
@@ -25,20 +26,23 @@ pub unsafe extern "C" fn gpupool_alloc(
     stream: *mut c_void,
     out: *mut *mut c_void,
 ) -> c_int {
-    status("gpupool_alloc", || {
-        if out.is_null() {
-            return Err(Fail::null("out"));
-        }
-        // SAFETY: `out` is non-NULL and valid for writes (caller's contract).
-        unsafe { out.write(std::ptr::null_mut()) };
-        let p = with_state(|st| {
-            st.with_stream(device, stream, |pool, s| {
-                Ok(super::pause::alloc_raw(pool, size, s)?)
-            })
-        })?;
-        // SAFETY: as above.
-        unsafe { out.write(p.addr() as usize as *mut c_void) };
-        Ok(())
+    with_thread(|t| {
+        status_in(t, "gpupool_alloc", || {
+            if out.is_null() {
+                return Err(Fail::null("out"));
+            }
+            // SAFETY: `out` is non-NULL and valid for writes (caller's
+            // contract).
+            unsafe { out.write(std::ptr::null_mut()) };
+            let p = with_state_in(t, |st| {
+                st.with_stream_in(t, device, stream, |pool, s| {
+                    Ok(super::pause::alloc_raw(t, pool, size, s)?)
+                })
+            })?;
+            // SAFETY: as above.
+            unsafe { out.write(p.addr() as usize as *mut c_void) };
+            Ok(())
+        })
     })
 }
 
@@ -50,18 +54,23 @@ pub unsafe extern "C" fn gpupool_alloc(
 /// `UNKNOWN_POINTER`, `DOUBLE_FREE`.
 #[no_mangle]
 pub extern "C" fn gpupool_free(ptr: *mut c_void, device: c_int, stream: *mut c_void) -> c_int {
-    status("gpupool_free", || free_impl(ptr, device, stream))
+    with_thread(|t| status_in(t, "gpupool_free", || free_impl(t, ptr, device, stream)))
 }
 
 /// The body of `gpupool_free`, shared with `gpupool_torch_free`.
 #[inline]
-pub(super) fn free_impl(ptr: *mut c_void, device: c_int, stream: *mut c_void) -> FResult<()> {
+pub(super) fn free_impl(
+    t: &FfiThread,
+    ptr: *mut c_void,
+    device: c_int,
+    stream: *mut c_void,
+) -> FResult<()> {
     if ptr.is_null() {
         return Err(Fail::null("ptr"));
     }
     let addr = ptr as usize as u64;
-    with_state(|st| {
-        st.with_pointer_stream(device, stream, addr, |pool, s| {
+    with_state_in(t, |st| {
+        st.with_pointer_stream_in(t, device, stream, addr, |pool, s| {
             pool.free_raw(DevicePtr(addr), s)
                 .map_err(|e| st.classify(e, addr, pool.device()))
         })

@@ -51,7 +51,8 @@
 //! One file per concept: `status` (status codes, failures, the thread's
 //! last-call message, the panic-catching wrappers), `state` (the
 //! process-wide runtime, its lifecycle, device and stream checks), `text`
-//! (C strings in, the buffer protocol out), `log` (`GPUPOOL_LOG`), then
+//! (C strings in, the buffer protocol out), `thread` (what a call keeps
+//! per thread, in one thread-local), `log` (`GPUPOOL_LOG`), then
 //! the calls: `alloc`, `streams`, `stats`, `limits` (memory limit,
 //! out-of-memory callback, ABI version), `snapshot` (snapshots and
 //! history), `trim`, `steps` (learned steps), `pause` (tagged allocations,
@@ -111,6 +112,8 @@ mod torch;
 
 // No `extern "C"` functions.
 mod text;
+// The per-thread record of the ABI (no extern functions).
+mod thread;
 // GPUPOOL_LOG's stderr subscriber (no extern functions).
 mod log;
 

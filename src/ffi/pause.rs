@@ -5,27 +5,26 @@
 //!
 //! Invariant: the thread tag is read only by `gpupool_alloc` and
 //! `gpupool_torch_malloc` (through [`alloc_raw`]); it lives in this
-//! thread's storage, set and cleared by the caller, and survives
+//! thread's record (`thread.rs`), set and cleared by the caller, and survives
 //! `gpupool_shutdown` and `gpupool_init`.
 
 use super::state::with_state;
 use super::status::{status, Fail};
+use super::thread::{with_thread, FfiThread};
 use crate::error::Result;
 use crate::pool::{DevicePool, Stream};
 use crate::ptr::DevicePtr;
-use std::cell::Cell;
 use std::ffi::{c_int, c_void};
-
-thread_local! {
-    /// The tag `gpupool_alloc` and `gpupool_torch_malloc` give their
-    /// allocations on this thread, if any.
-    static THREAD_TAG: Cell<Option<u64>> = const { Cell::new(None) };
-}
 
 /// A raw allocation, tagged with this thread's tag if one is set.
 #[inline]
-pub(super) fn alloc_raw(pool: &DevicePool, size: usize, s: &Stream) -> Result<DevicePtr> {
-    match THREAD_TAG.with(Cell::get) {
+pub(super) fn alloc_raw(
+    t: &FfiThread,
+    pool: &DevicePool,
+    size: usize,
+    s: &Stream,
+) -> Result<DevicePtr> {
+    match t.tag.get() {
         Some(tag) => pool.alloc_raw_tagged(size, s, tag),
         None => pool.alloc_raw(size, s),
     }
@@ -71,7 +70,7 @@ pub unsafe extern "C" fn gpupool_alloc_tagged(
 #[no_mangle]
 pub extern "C" fn gpupool_set_thread_tag(tag: u64) -> c_int {
     status("gpupool_set_thread_tag", || {
-        THREAD_TAG.with(|t| t.set(Some(tag)));
+        with_thread(|t| t.tag.set(Some(tag)));
         Ok(())
     })
 }
@@ -80,7 +79,7 @@ pub extern "C" fn gpupool_set_thread_tag(tag: u64) -> c_int {
 #[no_mangle]
 pub extern "C" fn gpupool_clear_thread_tag() -> c_int {
     status("gpupool_clear_thread_tag", || {
-        THREAD_TAG.with(|t| t.set(None));
+        with_thread(|t| t.tag.set(None));
         Ok(())
     })
 }

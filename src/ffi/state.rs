@@ -12,12 +12,12 @@
 //!   its own thread's shard, so concurrent calls from many threads write
 //!   no shared cache line; writers (init, shutdown) lock every shard.
 //! - A call made from inside a call on the same thread (an out-of-memory
-//!   callback reading statistics) takes no second read lock: [`CURRENT`]
-//!   holds the outer call's state for exactly as long as the outer call
-//!   holds the lock. Init and shutdown from inside a call are refused (the
+//!   callback reading statistics) takes no second read lock: the thread's
+//!   `current` (`thread.rs`) holds the outer call's state for exactly as
+//!   long as the outer call holds the lock. Init and shutdown from inside a call are refused (the
 //!   write lock would wait for the caller's own read lock forever).
 //! - Each thread remembers the last (device, stream) it named
-//!   ([`LAST_STREAM`]), so a call on the same stream as the one before
+//!   (`last_stream`), so a call on the same stream as the one before
 //!   reads no stream map. The memory is valid while the state's
 //!   generation and the device's stream epoch are those it recorded: a
 //!   removal from a stream map raises the epoch under the map's write
@@ -30,13 +30,13 @@
 use super::limits::call_oom_callback;
 use super::status::{status, FResult, Fail, GpupoolStatus};
 use super::text::c_str;
+use super::thread::{with_thread, FfiThread, LastStream};
 use crate::config::PoolConfig;
 use crate::error::Error;
 use crate::pool::{DevicePool, Stream};
 use crate::ptr::{DevicePtr, StreamHandle};
 use crate::runtime::Runtime;
 use crossbeam_utils::sync::ShardedLock;
-use std::cell::Cell;
 // Stream handles are addresses the caller made: FxHash is enough (no
 // adversary), and SipHash would be the costliest step of a call.
 use rustc_hash::FxHashMap as HashMap;
@@ -79,28 +79,6 @@ pub(super) struct State {
 /// Generations of states; 0 is none.
 static GENERATIONS: AtomicU64 = AtomicU64::new(1);
 
-/// A thread's last (device, stream) and what it resolved to.
-#[derive(Clone, Copy)]
-struct LastStream {
-    generation: u64,
-    device: c_int,
-    handle: u64,
-    epoch: u64,
-    pool: *const DevicePool,
-    stream: *const Stream,
-}
-
-impl LastStream {
-    const NONE: LastStream = LastStream {
-        generation: 0,
-        device: 0,
-        handle: 0,
-        epoch: 0,
-        pool: std::ptr::null(),
-        stream: std::ptr::null(),
-    };
-}
-
 impl State {
     /// The stream map of device `dev`, read.
     pub(super) fn read_streams(
@@ -136,40 +114,40 @@ enum Global {
 /// waits for calls in flight and no call ever sees a half-torn-down runtime.
 static GLOBAL: LazyLock<ShardedLock<Global>> = LazyLock::new(|| ShardedLock::new(Global::Uninit));
 
-thread_local! {
-    /// The state of the call this thread is inside, while that call holds
-    /// its read lock of [`GLOBAL`]; null outside calls.
-    static CURRENT: Cell<*const State> = const { Cell::new(std::ptr::null()) };
-    /// This thread's last stream (see the file's invariants).
-    static LAST_STREAM: Cell<LastStream> = const { Cell::new(LastStream::NONE) };
-}
-
 static LOG_INSTALLED: AtomicBool = AtomicBool::new(false);
 
-/// Publishes the state in [`CURRENT`] for the duration of a call; clears
-/// it on return and on unwind.
-struct Entered;
+/// Publishes the state in the thread's `current` for the duration of a
+/// call; clears it on return and on unwind.
+struct Entered<'t>(&'t FfiThread);
 
-impl Entered {
-    fn new(st: &State) -> Entered {
-        CURRENT.with(|c| c.set(st));
-        Entered
+impl<'t> Entered<'t> {
+    fn new(t: &'t FfiThread, st: &State) -> Entered<'t> {
+        t.current.set(st);
+        Entered(t)
     }
 }
 
-impl Drop for Entered {
+impl Drop for Entered<'_> {
     fn drop(&mut self) {
-        CURRENT.with(|c| c.set(std::ptr::null()));
+        self.0.current.set(std::ptr::null());
     }
 }
 
+/// Runs `f` on the live state (see the file's invariants).
 #[inline]
 pub(super) fn with_state<T>(f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> {
-    let cur = CURRENT.with(Cell::get);
+    with_thread(|t| with_state_in(t, f))
+}
+
+/// [`with_state`] with this thread's record already looked up (the hot
+/// calls: one thread-local access per call, see `thread.rs`).
+#[inline]
+pub(super) fn with_state_in<T>(t: &FfiThread, f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> {
+    let cur = t.current.get();
     if !cur.is_null() {
         // SAFETY: `cur` was published by an outer call on this thread,
         // which holds its read lock of GLOBAL (keeping the boxed state
-        // alive and unmoved) until it clears CURRENT.
+        // alive and unmoved) until it clears `current`.
         return f(unsafe { &*cur });
     }
     // A panic never happens under the write lock (init and shutdown swap
@@ -177,7 +155,7 @@ pub(super) fn with_state<T>(f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> 
     let g = GLOBAL.read().unwrap_or_else(PoisonError::into_inner);
     match &*g {
         Global::Live(s) => {
-            let _entered = Entered::new(s);
+            let _entered = Entered::new(t, s);
             f(s)
         }
         Global::Uninit => Err(Fail::new(
@@ -191,16 +169,22 @@ pub(super) fn with_state<T>(f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> 
     }
 }
 
+/// Whether this thread is inside a call (which holds a read lock of
+/// [`GLOBAL`]).
+fn in_call() -> bool {
+    with_thread(|t| !t.current.get().is_null())
+}
+
 /// Drops a stream removed by [`State::remove_stream`] after a grace period:
 /// a write lock of [`GLOBAL`], which waits for every call in flight (any of
-/// which may hold the stream through its thread's [`LAST_STREAM`]). From
+/// which may hold the stream through its thread's `last_stream`). From
 /// inside a call (which holds a read lock) it is kept until the next grace
 /// period or the shutdown instead.
 pub(super) fn bury(gone: Option<Box<Known>>) {
     let Some(k) = gone else { return };
-    let cur = CURRENT.with(Cell::get);
+    let cur = with_thread(|t| t.current.get());
     if !cur.is_null() {
-        // SAFETY: as in `with_state`: the outer call holds the state.
+        // SAFETY: as in `with_state_in`: the outer call holds the state.
         unsafe { &*cur }.keep_until_grace(k);
         return;
     }
@@ -223,7 +207,7 @@ pub(super) fn bury(gone: Option<Box<Known>>) {
 fn write_global(
     what: &str,
 ) -> FResult<crossbeam_utils::sync::ShardedLockWriteGuard<'static, Global>> {
-    if !CURRENT.with(Cell::get).is_null() {
+    if in_call() {
         return Err(Fail::new(
             GpupoolStatus::InvalidArgument,
             format!(
@@ -302,7 +286,7 @@ fn init_with(cfg: PoolConfig) -> FResult<()> {
 /// PyTorch is device memory or an error, never the simulator's host
 /// memory, unless `backend=sim` is asked for by name.
 pub(super) fn ensure_init() -> FResult<()> {
-    let uninit = CURRENT.with(Cell::get).is_null()
+    let uninit = !in_call()
         && matches!(
             &*GLOBAL.read().unwrap_or_else(PoisonError::into_inner),
             Global::Uninit
@@ -354,7 +338,19 @@ impl State {
         handle: *mut c_void,
         f: impl FnOnce(&DevicePool, &Stream) -> FResult<T>,
     ) -> FResult<T> {
-        self.with_stream_for(device, handle, None, f)
+        with_thread(|t| self.with_stream_for(t, device, handle, None, f))
+    }
+
+    /// [`State::with_stream`] with this thread's record already looked up.
+    #[inline]
+    pub(super) fn with_stream_in<T>(
+        &self,
+        t: &FfiThread,
+        device: c_int,
+        handle: *mut c_void,
+        f: impl FnOnce(&DevicePool, &Stream) -> FResult<T>,
+    ) -> FResult<T> {
+        self.with_stream_for(t, device, handle, None, f)
     }
 
     /// [`State::with_stream`] for a call on the pointer `addr` (free,
@@ -370,19 +366,34 @@ impl State {
         addr: u64,
         f: impl FnOnce(&DevicePool, &Stream) -> FResult<T>,
     ) -> FResult<T> {
-        self.with_stream_for(device, handle, Some(addr), f)
+        with_thread(|t| self.with_stream_for(t, device, handle, Some(addr), f))
+    }
+
+    /// [`State::with_pointer_stream`] with this thread's record already
+    /// looked up.
+    #[inline]
+    pub(super) fn with_pointer_stream_in<T>(
+        &self,
+        t: &FfiThread,
+        device: c_int,
+        handle: *mut c_void,
+        addr: u64,
+        f: impl FnOnce(&DevicePool, &Stream) -> FResult<T>,
+    ) -> FResult<T> {
+        self.with_stream_for(t, device, handle, Some(addr), f)
     }
 
     #[inline(always)]
     fn with_stream_for<T>(
         &self,
+        t: &FfiThread,
         device: c_int,
         handle: *mut c_void,
         pointer: Option<u64>,
         f: impl FnOnce(&DevicePool, &Stream) -> FResult<T>,
     ) -> FResult<T> {
         let h = handle as usize as u64;
-        let last = LAST_STREAM.with(Cell::get);
+        let last = t.last_stream.get();
         if last.generation == self.generation && last.device == device && last.handle == h {
             let d = usize::try_from(device).unwrap_or(usize::MAX);
             if self
@@ -405,7 +416,7 @@ impl State {
         if let Some(addr) = pointer {
             self.require_built(device, addr)?;
         }
-        self.with_stream_looked_up(device, h, f)
+        self.with_stream_looked_up(t, device, h, f)
     }
 
     /// [`State::with_stream`] past this thread's last stream: the device's
@@ -414,6 +425,7 @@ impl State {
     #[inline(never)]
     fn with_stream_looked_up<T>(
         &self,
+        t: &FfiThread,
         device: c_int,
         h: u64,
         f: impl FnOnce(&DevicePool, &Stream) -> FResult<T>,
@@ -421,15 +433,13 @@ impl State {
         let pool = self.pool(device)?;
         let dev = pool.device();
         let remember = |stream: &Stream, epoch: u64| {
-            LAST_STREAM.with(|c| {
-                c.set(LastStream {
-                    generation: self.generation,
-                    device,
-                    handle: h,
-                    epoch,
-                    pool,
-                    stream,
-                })
+            t.last_stream.set(LastStream {
+                generation: self.generation,
+                device,
+                handle: h,
+                epoch,
+                pool,
+                stream,
             })
         };
         if StreamHandle(h).canonical() == StreamHandle(0) {

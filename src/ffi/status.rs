@@ -8,6 +8,7 @@
 //! (they become [`GpupoolStatus::Panic`]) and sets this thread's message:
 //! `""` after a success, `"<function>: <what>"` after a failure.
 
+use super::thread::{with_thread, FfiThread};
 use crate::error::Error;
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_int, CStr, CString};
@@ -197,9 +198,6 @@ pub(super) type FResult<T> = std::result::Result<T, Fail>;
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
     static NEEDED: Cell<usize> = const { Cell::new(0) };
-    /// Whether LAST_ERROR holds a message: one plain thread-local read on
-    /// the fast path (every successful call) instead of a borrow.
-    static HAS_MESSAGE: Cell<bool> = const { Cell::new(false) };
 }
 
 fn set_message(msg: &str) {
@@ -209,7 +207,7 @@ fn set_message(msg: &str) {
     let _ = LAST_ERROR.try_with(|l| {
         if let Ok(mut l) = l.try_borrow_mut() {
             *l = c;
-            HAS_MESSAGE.with(|h| h.set(true));
+            with_thread(|t| t.has_message.set(true));
         }
     });
 }
@@ -217,12 +215,12 @@ fn set_message(msg: &str) {
 /// After a success: the message becomes `""`, with no allocation when it
 /// already is (every call on the fast path succeeds).
 #[inline]
-fn clear_message() {
-    if HAS_MESSAGE.with(Cell::get) {
+fn clear_message(t: &FfiThread) {
+    if t.has_message.get() {
         let _ = LAST_ERROR.try_with(|l| {
             if let Ok(mut l) = l.try_borrow_mut() {
                 *l = CString::default();
-                HAS_MESSAGE.with(|h| h.set(false));
+                t.has_message.set(false);
             }
         });
     }
@@ -245,6 +243,16 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 /// Runs `body` with panics caught, records the message, returns the status.
 #[inline]
 pub(super) fn run<T>(name: &'static str, body: impl FnOnce() -> FResult<T>) -> FResult<T> {
+    with_thread(|t| run_in(t, name, body))
+}
+
+/// [`run`] with this thread's record already looked up.
+#[inline]
+pub(super) fn run_in<T>(
+    t: &FfiThread,
+    name: &'static str,
+    body: impl FnOnce() -> FResult<T>,
+) -> FResult<T> {
     let r = match catch_unwind(AssertUnwindSafe(body)) {
         Ok(r) => r,
         Err(p) => Err(Fail::new(
@@ -253,7 +261,7 @@ pub(super) fn run<T>(name: &'static str, body: impl FnOnce() -> FResult<T>) -> F
         )),
     };
     match &r {
-        Ok(_) => clear_message(),
+        Ok(_) => clear_message(t),
         Err(f) => record_failure(name, f),
     }
     r
@@ -272,7 +280,17 @@ fn record_failure(name: &str, f: &Fail) {
 /// [`run`] for functions returning a status.
 #[inline]
 pub(super) fn status(name: &'static str, body: impl FnOnce() -> FResult<()>) -> c_int {
-    match run(name, body) {
+    with_thread(|t| status_in(t, name, body))
+}
+
+/// [`status`] with this thread's record already looked up.
+#[inline]
+pub(super) fn status_in(
+    t: &FfiThread,
+    name: &'static str,
+    body: impl FnOnce() -> FResult<()>,
+) -> c_int {
+    match run_in(t, name, body) {
         Ok(()) => GpupoolStatus::Ok as c_int,
         Err(f) => f.status as c_int,
     }

@@ -8,8 +8,9 @@
 //! was not called.
 
 use super::alloc::free_impl;
-use super::state::{ensure_init, with_state};
-use super::status::{report_to_stderr, run, Fail, GpupoolStatus};
+use super::state::{ensure_init, with_state, with_state_in};
+use super::status::{report_to_stderr, run, run_in, Fail, GpupoolStatus};
+use super::thread::{with_thread, FfiThread};
 use crate::ptr::DevicePtr;
 use std::ffi::{c_int, c_void};
 
@@ -28,7 +29,18 @@ pub extern "C" fn gpupool_torch_malloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    let r = run("gpupool_torch_malloc", || {
+    with_thread(|t| torch_malloc(t, size, device, stream))
+}
+
+/// The body of [`gpupool_torch_malloc`], with this thread's record.
+#[inline]
+fn torch_malloc(
+    t: &FfiThread,
+    size: libc::ssize_t,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    let r = run_in(t, "gpupool_torch_malloc", || {
         let size = usize::try_from(size).map_err(|_| {
             Fail::new(
                 GpupoolStatus::InvalidSize,
@@ -39,9 +51,9 @@ pub extern "C" fn gpupool_torch_malloc(
             return Ok(std::ptr::null_mut());
         }
         let alloc = || {
-            with_state(|st| {
-                st.with_stream(device, stream, |pool, s| {
-                    Ok(super::pause::alloc_raw(pool, size, s)?)
+            with_state_in(t, |st| {
+                st.with_stream_in(t, device, stream, |pool, s| {
+                    Ok(super::pause::alloc_raw(t, pool, size, s)?)
                 })
             })
         };
@@ -74,11 +86,13 @@ pub extern "C" fn gpupool_torch_free(
     stream: *mut c_void,
 ) {
     let _ = size;
-    let r = run("gpupool_torch_free", || {
-        if ptr.is_null() {
-            return Ok(());
-        }
-        free_impl(ptr, device, stream)
+    let r = with_thread(|t| {
+        run_in(t, "gpupool_torch_free", || {
+            if ptr.is_null() {
+                return Ok(());
+            }
+            free_impl(t, ptr, device, stream)
+        })
     });
     if r.is_err() {
         report_to_stderr();
