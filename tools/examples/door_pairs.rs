@@ -3,13 +3,13 @@
 //! behind the per-pair instruction counts in docs/BENCHMARKS.md §4.
 //!
 //! ```sh
-//! cargo build --release --example door_pairs
-//! valgrind --tool=callgrind --callgrind-out-file=/dev/null \
-//!     target/release/examples/door_pairs c_abi 200000    # and again with 100000:
-//! # instructions per pair = (I(200000) - I(100000)) / 100000
+//! bash scripts/abi-pairs.sh        # instructions per pair, every door
 //! target/release/examples/door_pairs c_abi 1000000 2  # 2 threads, own streams:
 //! # prints wall ns per pair (each thread makes N pairs)
 //! ```
+//!
+//! `door_pairs.c` beside it makes the same C ABI and hook pairs through
+//! `libgpupool.so`, as PyTorch loads them.
 
 use gpupool::backend::sim::{SimBacking, SimConfig};
 use gpupool::ffi::{
