@@ -199,6 +199,37 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+/* A thread that ends holding memory in a pthread key: the key's destructor
+ * frees it, and allocates and frees once more, after the thread's Rust
+ * thread-locals (gpupool's magazines among them) were destroyed (glibc runs
+ * those first, then pthread key destructors). */
+static pthread_key_t exit_key;
+static int exit_rc[5] = {-1, -1, -1, -1, -1};
+static void *exit_mem[3];
+
+static void exit_free(void *unused) {
+    (void)unused;
+    void *p = NULL;
+    exit_rc[0] = gpupool_free(exit_mem[0], 0, NULL);
+    exit_rc[1] = gpupool_free(exit_mem[1], 0, NULL);
+    gpupool_torch_free(exit_mem[2], 4096, 0, NULL);
+    exit_rc[2] = gpupool_alloc(4096, 0, NULL, &p);
+    exit_rc[3] = p ? gpupool_free(p, 0, NULL) : -1;
+    exit_rc[4] = gpupool_alloc(64, 0, NULL, &p) == GPUPOOL_STATUS_OK ? gpupool_free(p, 0, NULL) : -1;
+}
+
+static void *exit_main(void *arg) {
+    (void)arg;
+    if (gpupool_alloc(4096, 0, NULL, &exit_mem[0]) != GPUPOOL_STATUS_OK) return NULL;
+    if (gpupool_alloc(3 * MIB, 0, NULL, &exit_mem[1]) != GPUPOOL_STATUS_OK) return NULL;
+    exit_mem[2] = gpupool_torch_malloc(4096, 0, NULL);
+    /* A pair on the thread's fast path first, so that its magazine exists. */
+    void *p = NULL;
+    if (gpupool_alloc(4096, 0, NULL, &p) == GPUPOOL_STATUS_OK) gpupool_free(p, 0, NULL);
+    pthread_setspecific(exit_key, exit_mem);
+    return NULL;
+}
+
 static double now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -690,6 +721,25 @@ int main(int argc, char **argv) {
     CHECK(stat_now(0, "requested_bytes", 1) == 0 && stat_now(1, "requested_bytes", 1) == 0,
           "live bytes after threads: %llu %llu", stat_now(0, "requested_bytes", 1), stat_now(1, "requested_bytes", 1));
     printf("threads: %d threads, %ld ops (alloc or free), %d errors, %.3f s\n", THREADS, ops, errors, dt);
+
+    /* ---- calls from a thread's exit destructors ------------------------------------------ */
+    {
+        unsigned long long live0 = stat_now(0, "requested_bytes", 1);
+        pthread_t t;
+        CHECK(pthread_key_create(&exit_key, exit_free) == 0, "pthread_key_create");
+        CHECK(pthread_create(&t, NULL, exit_main, NULL) == 0, "pthread_create");
+        pthread_join(t, NULL);
+        CHECK(exit_mem[0] && exit_mem[1] && exit_mem[2], "allocations before the exit");
+        for (int i = 0; i < 5; i++)
+            CHECK(exit_rc[i] == GPUPOOL_STATUS_OK, "call %d from an exit destructor: %s", i,
+                  gpupool_status_name(exit_rc[i]));
+        CHECK(stat_now(0, "requested_bytes", 1) == live0, "live bytes after the exit: %llu, before %llu",
+              stat_now(0, "requested_bytes", 1), live0);
+        void *again = NULL;
+        EXPECT(gpupool_alloc(4096, 0, NULL, &again), GPUPOOL_STATUS_OK, "");
+        EXPECT(gpupool_free(again, 0, NULL), GPUPOOL_STATUS_OK, "");
+        pthread_key_delete(exit_key);
+    }
 
     /* ---- shutdown and after --------------------------------------------------------- */
     EXPECT(gpupool_alloc(4096, 0, s0, &p), GPUPOOL_STATUS_OK, ""); /* left live on purpose */
