@@ -52,7 +52,8 @@
 //! last-call message, the panic-catching wrappers), `state` (the
 //! process-wide runtime, its lifecycle, device and stream checks), `text`
 //! (C strings in, the buffer protocol out), `thread` (what a call keeps
-//! per thread, in one thread-local), `log` (`GPUPOOL_LOG`), then
+//! per thread, in one thread-local), `readers` (how a call reaches the
+//! runtime without a lock, and how shutdown waits for it), `log` (`GPUPOOL_LOG`), then
 //! the calls: `alloc`, `streams`, `stats`, `limits` (memory limit,
 //! out-of-memory callback, ABI version), `snapshot` (snapshots and
 //! history), `trim`, `steps` (learned steps), `pause` (tagged allocations,
@@ -114,6 +115,8 @@ mod torch;
 mod text;
 // The per-thread record of the ABI (no extern functions).
 mod thread;
+// Lock-free readers of the runtime (no extern functions).
+mod readers;
 // GPUPOOL_LOG's stderr subscriber (no extern functions).
 mod log;
 

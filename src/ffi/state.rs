@@ -4,30 +4,35 @@
 //! makes on its device index and stream handle.
 //!
 //! Invariants:
-//! - Every call runs under a read lock of [`GLOBAL`] (through
-//!   [`with_state`]) for its whole duration; `gpupool_init` and
-//!   `gpupool_shutdown` are the only writers, so `gpupool_shutdown` waits
-//!   for calls in flight and no call ever sees a half-torn-down runtime.
+//! - Every call reaches the runtime in one of two ways for its whole
+//!   duration: through its thread's reader slot and [`readers::LIVE`]
+//!   (the fast path, no lock: see `readers.rs`), or under a read lock of
+//!   [`GLOBAL`] (when there is no live runtime, to say why, and on a
+//!   thread whose slot is gone at exit). `gpupool_init` and
+//!   `gpupool_shutdown` are the only writers: they take the write lock,
+//!   and shutdown clears `LIVE` and waits for the fast-path calls
+//!   (`readers::synchronize`) before tearing down, so no call ever sees
+//!   a half-torn-down runtime.
 //! - The lock is sharded (crossbeam's `ShardedLock`): a reader locks only
-//!   its own thread's shard, so concurrent calls from many threads write
-//!   no shared cache line; writers (init, shutdown) lock every shard.
+//!   its own thread's shard; writers (init, shutdown) lock every shard.
 //! - A call made from inside a call on the same thread (an out-of-memory
-//!   callback reading statistics) takes no second read lock: the thread's
+//!   callback reading statistics) enters no second time: the thread's
 //!   `current` (`thread.rs`) holds the outer call's state for exactly as
-//!   long as the outer call holds the lock. Init and shutdown from inside a call are refused (the
-//!   write lock would wait for the caller's own read lock forever).
+//!   long as the outer call holds it. Init and shutdown from inside a
+//!   call are refused (they would wait for the caller's own call).
 //! - Each thread remembers the last (device, stream) it named
 //!   (`last_stream`), so a call on the same stream as the one before
 //!   reads no stream map. The memory is valid while the state's
 //!   generation and the device's stream epoch are those it recorded: a
 //!   removal from a stream map raises the epoch under the map's write
-//!   lock, and the removed stream is dropped only after a write lock of
-//!   [`GLOBAL`] (a grace period: every call that could still hold the
-//!   old pointer has returned), or, when removed from inside a call, by
-//!   the next grace period or the shutdown. Known streams are boxed, so
-//!   an insert never moves one.
+//!   lock, and the removed stream is dropped only after a grace period
+//!   (a write lock of [`GLOBAL`], then `readers::synchronize`: every call
+//!   that could still hold the old pointer has returned), or, when
+//!   removed from inside a call, by the next grace period or the
+//!   shutdown. Known streams are boxed, so an insert never moves one.
 
 use super::limits::call_oom_callback;
+use super::readers;
 use super::status::{status, FResult, Fail, GpupoolStatus};
 use super::text::c_str;
 use super::thread::{with_thread, FfiThread, LastStream};
@@ -150,8 +155,16 @@ pub(super) fn with_state_in<T>(t: &FfiThread, f: impl FnOnce(&State) -> FResult<
         // alive and unmoved) until it clears `current`.
         return f(unsafe { &*cur });
     }
-    // A panic never happens under the write lock (init and shutdown swap
-    // the value); a poisoned lock still holds a consistent value.
+    // The fast path: no lock (see `readers.rs`).
+    if let Some(r) = readers::enter(t) {
+        let st = r.state();
+        let _entered = Entered::new(t, st);
+        return f(st);
+    }
+    // The locked path: no live state (to say why), or a thread past its
+    // slot's release at exit. A panic never happens under the write lock
+    // (init and shutdown swap the value); a poisoned lock still holds a
+    // consistent value.
     let g = GLOBAL.read().unwrap_or_else(PoisonError::into_inner);
     match &*g {
         Global::Live(s) => {
@@ -197,6 +210,9 @@ pub(super) fn bury(gone: Option<Box<Known>>) {
         },
         Err(_) => Vec::new(),
     };
+    // The write lock waited for the calls on the locked path; the calls
+    // that read the state without it are waited for here.
+    readers::synchronize();
     // Outside every lock: dropping a stream flushes its free lists (and
     // destroys a stream gpupool made).
     drop(k);
@@ -277,6 +293,10 @@ fn init_with(cfg: PoolConfig) -> FResult<()> {
         generation: GENERATIONS.fetch_add(1, Ordering::Relaxed),
         graveyard: std::sync::Mutex::default(),
     }));
+    if let Global::Live(st) = &*g {
+        // Published under the write lock, after the value it points into.
+        readers::LIVE.store(&**st as *const State as *mut State, Ordering::Release);
+    }
     Ok(())
 }
 
@@ -629,7 +649,10 @@ pub extern "C" fn gpupool_shutdown() -> c_int {
         let old = {
             let mut g = write_global("gpupool_shutdown")?;
             match &mut *g {
-                live @ Global::Live(_) => std::mem::replace(live, Global::Shut),
+                live @ Global::Live(_) => {
+                    readers::LIVE.store(std::ptr::null_mut(), Ordering::Release);
+                    std::mem::replace(live, Global::Shut)
+                }
                 Global::Uninit => {
                     return Err(Fail::new(
                         GpupoolStatus::NotInitialized,
@@ -644,6 +667,8 @@ pub extern "C" fn gpupool_shutdown() -> c_int {
                 }
             }
         };
+        // Calls that read the state without the lock (`readers.rs`).
+        readers::synchronize();
         if let Global::Live(st) = old {
             for p in st.rt.active_devices() {
                 let live = p.stats().requested_bytes.current;

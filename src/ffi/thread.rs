@@ -14,8 +14,9 @@
 //! it is never torn down and [`with_thread`] never fails, even during
 //! thread exit; each field is owned by the file that documents it
 //! (`current` and `last_stream` by `state.rs`, `has_message` by
-//! `status.rs`, `tag` by `pause.rs`).
+//! `status.rs`, `tag` by `pause.rs`, `reader` by `readers.rs`).
 
+use super::readers::ReaderSlot;
 use super::state::State;
 use crate::pool::{DevicePool, Stream};
 use std::cell::Cell;
@@ -57,6 +58,8 @@ pub(super) struct FfiThread {
     /// The tag `gpupool_alloc` and `gpupool_torch_malloc` give their
     /// allocations on this thread, if any.
     pub(super) tag: Cell<Option<u64>>,
+    /// This thread's reader slot (`readers.rs`), once it has one.
+    pub(super) reader: Cell<Option<&'static ReaderSlot>>,
 }
 
 thread_local! {
@@ -66,6 +69,7 @@ thread_local! {
             last_stream: Cell::new(LastStream::NONE),
             has_message: Cell::new(false),
             tag: Cell::new(None),
+            reader: Cell::new(None),
         }
     };
 }
