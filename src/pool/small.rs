@@ -44,11 +44,17 @@ pub(crate) const REFILL: usize = 16;
 #[derive(Debug)]
 struct SlabArrays {
     next: Box<[AtomicU32]>,
-    /// Requested bytes of the block at each slot (stats, snapshots).
+    /// Requested bytes of the block at each slot (stats, snapshots), with
+    /// [`RAW_LIVE`] set while a raw allocation is live there: a raw
+    /// allocation is one plain store, its free one `fetch_and` that both
+    /// claims the slot (a second free finds the bit clear) and reads the
+    /// size.
     requested: Box<[AtomicU32]>,
-    /// Raw allocations live in this slab, one bit per slot.
-    raw_live: Box<[AtomicU64]>,
 }
+
+/// The bit of a slot's `requested` word that marks a live raw allocation
+/// (small sizes stay below a granule / 8, far under 2^31).
+const RAW_LIVE: u32 = 1 << 31;
 
 /// One slab's header.
 #[derive(Debug, Default)]
@@ -277,9 +283,6 @@ impl Slabs {
         let a = slab.arrays.get_or_init(|| SlabArrays {
             next: (0..n).map(|_| AtomicU32::new(NIL)).collect(),
             requested: (0..n).map(|_| AtomicU32::new(0)).collect(),
-            raw_live: (0..(n as usize).div_ceil(64))
-                .map(|_| AtomicU64::new(0))
-                .collect(),
         });
         debug_assert_eq!(
             a.next.len(),
@@ -339,11 +342,13 @@ impl Slabs {
     /// raw one its live bit (one slab lookup for both).
     #[inline(always)]
     pub(crate) fn note_alloc(&self, idx: u32, requested: u64, raw: bool) {
+        debug_assert!(requested < u64::from(RAW_LIVE));
         let (a, s) = self.arrays(idx);
-        a.requested[s].store(requested as u32, Relaxed);
-        if raw {
-            a.raw_live[s / 64].fetch_or(1 << (s % 64), AcqRel);
-        }
+        let live = if raw { RAW_LIVE } else { 0 };
+        // The slot is this thread's until it hands the pointer out:
+        // a plain store (release: a free on another thread that got the
+        // pointer through the caller's synchronization sees it).
+        a.requested[s].store(requested as u32 | live, Release);
     }
 
     /// The raw free of the block at `addr`, which the slab index placed
@@ -368,26 +373,23 @@ impl Slabs {
             .arrays
             .get()
             .expect("slab arrays exist before its slots are used");
-        let bit = 1u64 << (s % 64);
-        if a.raw_live[s / 64].fetch_and(!bit, AcqRel) & bit == 0 {
+        let word = a.requested[s].fetch_and(!RAW_LIVE, AcqRel);
+        if word & RAW_LIVE == 0 {
             return Err(RawMiss::NotLive);
         }
         let idx = id << SLOT_BITS | s as u32;
-        Ok((
-            SlotRef { idx, class, addr },
-            a.requested[s].load(Relaxed) as u64,
-        ))
+        Ok((SlotRef { idx, class, addr }, u64::from(word & !RAW_LIVE)))
     }
 
     /// Requested size of the block last allocated at this slot.
     pub(crate) fn requested(&self, idx: u32) -> u64 {
         let (a, s) = self.arrays(idx);
-        a.requested[s].load(Relaxed) as u64
+        u64::from(a.requested[s].load(Relaxed) & !RAW_LIVE)
     }
 
     /// Whether a raw allocation is live at this slot.
     pub(crate) fn is_raw_live(&self, idx: u32) -> bool {
         let (a, s) = self.arrays(idx);
-        a.raw_live[s / 64].load(Acquire) & (1 << (s % 64)) != 0
+        a.requested[s].load(Acquire) & RAW_LIVE != 0
     }
 }
