@@ -58,7 +58,7 @@ pub extern "C" fn gpupool_free(ptr: *mut c_void, device: c_int, stream: *mut c_v
 }
 
 /// The body of `gpupool_free`, shared with `gpupool_torch_free`.
-#[inline]
+#[inline(always)]
 pub(super) fn free_impl(
     t: &FfiThread,
     ptr: *mut c_void,

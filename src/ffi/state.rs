@@ -146,7 +146,7 @@ pub(super) fn with_state<T>(f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> 
 
 /// [`with_state`] with this thread's record already looked up (the hot
 /// calls: one thread-local access per call, see `thread.rs`).
-#[inline]
+#[inline(always)]
 pub(super) fn with_state_in<T>(t: &FfiThread, f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> {
     let cur = t.current.get();
     if !cur.is_null() {
@@ -362,7 +362,7 @@ impl State {
     }
 
     /// [`State::with_stream`] with this thread's record already looked up.
-    #[inline]
+    #[inline(always)]
     pub(super) fn with_stream_in<T>(
         &self,
         t: &FfiThread,
@@ -391,7 +391,7 @@ impl State {
 
     /// [`State::with_pointer_stream`] with this thread's record already
     /// looked up.
-    #[inline]
+    #[inline(always)]
     pub(super) fn with_pointer_stream_in<T>(
         &self,
         t: &FfiThread,

@@ -247,7 +247,7 @@ pub(super) fn run<T>(name: &'static str, body: impl FnOnce() -> FResult<T>) -> F
 }
 
 /// [`run`] with this thread's record already looked up.
-#[inline]
+#[inline(always)]
 pub(super) fn run_in<T>(
     t: &FfiThread,
     name: &'static str,
@@ -284,7 +284,7 @@ pub(super) fn status(name: &'static str, body: impl FnOnce() -> FResult<()>) -> 
 }
 
 /// [`status`] with this thread's record already looked up.
-#[inline]
+#[inline(always)]
 pub(super) fn status_in(
     t: &FfiThread,
     name: &'static str,
