@@ -166,17 +166,31 @@ impl GpupoolStatus {
 // ---- failures and the thread-local message ------------------------------------------
 
 /// A failed call: its status and message (without the function prefix).
-pub(super) struct Fail {
+/// Boxed, so that a call's `FResult<()>` is one pointer (null: success)
+/// returned in a register, and `FResult<pointer>` two: the success path
+/// moves no 32-byte value through memory.
+pub(super) struct Fail(Box<FailInner>);
+
+/// What a [`Fail`] holds.
+pub(super) struct FailInner {
     pub(super) status: GpupoolStatus,
     pub(super) msg: String,
 }
 
+impl std::ops::Deref for Fail {
+    type Target = FailInner;
+    fn deref(&self) -> &FailInner {
+        &self.0
+    }
+}
+
 impl Fail {
+    #[cold]
     pub(super) fn new(status: GpupoolStatus, msg: impl Into<String>) -> Fail {
-        Fail {
+        Fail(Box::new(FailInner {
             status,
             msg: msg.into(),
-        }
+        }))
     }
 
     pub(super) fn null(arg: &str) -> Fail {
