@@ -11,8 +11,9 @@
 //! - Each thread that calls in gets a *reader slot*: a counter only that
 //!   thread writes, odd while it is inside a call that took the state
 //!   from [`LIVE`].
-//! - A call: counter to odd, a light barrier (a compiler fence where the
-//!   kernel has `membarrier`, a full fence elsewhere), load [`LIVE`];
+//! - A call: counter to odd (release), a light barrier (a compiler
+//!   fence where the kernel has `membarrier`, a full fence elsewhere),
+//!   load [`LIVE`];
 //!   null sends it to the locked path (which reports "not initialized" or
 //!   "shut down"); after the call, counter to even (release).
 //! - A writer (holding the global write lock, which excludes the locked
@@ -140,7 +141,11 @@ pub(super) fn enter(t: &FfiThread) -> Option<Reading> {
         None => register(t)?,
     };
     let n = slot.load(Relaxed);
-    slot.store(n + 1, Relaxed);
+    // Release, as the leaving store: a writer waiting for an odd value
+    // may next read this call's odd value instead of the previous call's
+    // even one, and must still see that previous call's reads done
+    // (found by the loom model below; a plain store on x86 either way).
+    slot.store(n + 1, Release);
     let mut r = Reading {
         slot,
         after: n + 2,
@@ -171,5 +176,63 @@ pub(super) fn synchronize() {
                 }
             }
         }
+    }
+}
+
+/// A loom model of the protocol above: one thread makes two calls, the
+/// other clears the live flag, waits as [`synchronize`] does and tears the
+/// state down; loom reports any read of the state that the teardown races
+/// with. A light/heavy barrier pair orders the two threads like two full
+/// fences; loom models `SeqCst` fences as acquire-release only (too weak
+/// for this store-fence-load pattern: it reports a race that cannot
+/// happen), so each barrier is modelled as a read-modify-write of one
+/// shared location, which puts the two in one total order as the pair
+/// does.
+#[cfg(all(test, loom))]
+mod loom_model {
+    use loom::cell::UnsafeCell;
+    use loom::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+    use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+    use loom::sync::Arc;
+
+    #[test]
+    fn loom_readers_never_read_a_torn_down_state() {
+        loom::model(|| {
+            let state = Arc::new(UnsafeCell::new(1u32));
+            let live = Arc::new(AtomicBool::new(true));
+            let slot = Arc::new(AtomicU64::new(0));
+            let barrier = Arc::new(AtomicUsize::new(0));
+            let reader = {
+                let (state, live, slot) = (state.clone(), live.clone(), slot.clone());
+                let barrier = barrier.clone();
+                loom::thread::spawn(move || {
+                    for _ in 0..2 {
+                        // `enter`
+                        let n = slot.load(Relaxed);
+                        slot.store(n + 1, Release);
+                        barrier.fetch_add(1, AcqRel);
+                        if live.load(Acquire) {
+                            // SAFETY: loom checks this read against the
+                            // teardown's write below.
+                            state.with(|v| assert_eq!(unsafe { *v }, 1));
+                        }
+                        // `Reading`'s drop
+                        slot.store(n + 2, Release);
+                    }
+                })
+            };
+            // `gpupool_shutdown`: clear, then `synchronize`, then tear down.
+            live.store(false, Release);
+            barrier.fetch_add(1, AcqRel);
+            let n = slot.load(Acquire);
+            if n % 2 == 1 {
+                while slot.load(Acquire) == n {
+                    loom::thread::yield_now();
+                }
+            }
+            // SAFETY: loom checks this write against the reader's reads.
+            state.with_mut(|v| unsafe { *v = 0 });
+            reader.join().unwrap();
+        });
     }
 }
