@@ -145,21 +145,32 @@ pub(super) fn with_state<T>(f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> 
 }
 
 /// [`with_state`] with this thread's record already looked up (the hot
-/// calls: one thread-local access per call, see `thread.rs`).
+/// calls: one thread-local access per call, see `thread.rs`). The fast
+/// path calls `f` at one place here and everything else is out of line,
+/// so that `f` is inlined into the call.
 #[inline(always)]
 pub(super) fn with_state_in<T>(t: &FfiThread, f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> {
+    if t.current.get().is_null() {
+        // The fast path: no lock (see `readers.rs`).
+        if let Some(r) = readers::enter(t) {
+            let st = r.state();
+            let _entered = Entered::new(t, st);
+            return f(st);
+        }
+    }
+    with_state_slow(t, f)
+}
+
+/// [`with_state_in`] inside a call on this thread (nested) or past the
+/// fast path.
+#[inline(never)]
+fn with_state_slow<T>(t: &FfiThread, f: impl FnOnce(&State) -> FResult<T>) -> FResult<T> {
     let cur = t.current.get();
     if !cur.is_null() {
         // SAFETY: `cur` was published by an outer call on this thread,
-        // which holds its read lock of GLOBAL (keeping the boxed state
-        // alive and unmoved) until it clears `current`.
+        // which keeps the boxed state alive and unmoved until it clears
+        // `current`.
         return f(unsafe { &*cur });
-    }
-    // The fast path: no lock (see `readers.rs`).
-    if let Some(r) = readers::enter(t) {
-        let st = r.state();
-        let _entered = Entered::new(t, st);
-        return f(st);
     }
     // The locked path: no live state (to say why), or a thread past its
     // slot's release at exit. A panic never happens under the write lock
