@@ -53,8 +53,8 @@
 //! process-wide runtime, its lifecycle, device and stream checks), `text`
 //! (C strings in, the buffer protocol out), `thread` (what a call keeps
 //! per thread, in one thread-local), `readers` (how a call reaches the
-//! runtime without a lock, and how shutdown waits for it), `log` (`GPUPOOL_LOG`), then
-//! the calls: `alloc`, `streams`, `stats`, `limits` (memory limit,
+//! runtime without a lock, and how shutdown waits for it), `log`
+//! (`GPUPOOL_LOG`), then the calls: `alloc`, `streams`, `stats`, `limits` (memory limit,
 //! out-of-memory callback, ABI version), `snapshot` (snapshots and
 //! history), `trim`, `steps` (learned steps), `pause` (tagged allocations,
 //! pause and resume), `ipc` (sharing memory with other processes), and

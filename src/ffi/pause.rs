@@ -5,8 +5,8 @@
 //!
 //! Invariant: the thread tag is read only by `gpupool_alloc` and
 //! `gpupool_torch_malloc` (through [`alloc_raw`]); it lives in this
-//! thread's record (`thread.rs`), set and cleared by the caller, and survives
-//! `gpupool_shutdown` and `gpupool_init`.
+//! thread's record (`thread.rs`), set and cleared by the caller, and
+//! survives `gpupool_shutdown` and `gpupool_init`.
 
 use super::state::with_state;
 use super::status::{status, Fail};

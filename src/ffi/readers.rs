@@ -13,9 +13,9 @@
 //!   from [`LIVE`].
 //! - A call: counter to odd (release), a light barrier (a compiler
 //!   fence where the kernel has `membarrier`, a full fence elsewhere),
-//!   load [`LIVE`];
-//!   null sends it to the locked path (which reports "not initialized" or
-//!   "shut down"); after the call, counter to even (release).
+//!   load [`LIVE`]; null sends it to the locked path (which reports "not
+//!   initialized" or "shut down"); after the call, counter to even
+//!   (release).
 //! - A writer (holding the global write lock, which excludes the locked
 //!   path): makes its change (clears [`LIVE`]; raises a stream epoch),
 //!   then [`synchronize`]: a heavy barrier (`membarrier`, a full fence on
@@ -82,9 +82,10 @@ thread_local! {
 fn register(t: &FfiThread) -> Option<&'static ReaderSlot> {
     GUARD
         .try_with(|g| {
-            if let Some(slot) = g.0.get() {
-                return slot;
-            }
+            // The record's slot is `None` only before the first call (and
+            // after the guard's drop, when `try_with` fails): the guard
+            // holds none yet.
+            debug_assert!(g.0.get().is_none());
             let slot = FREE.lock().pop().unwrap_or_else(|| {
                 let slot: &'static ReaderSlot =
                     Box::leak(Box::new(CachePadded::new(AtomicU64::new(0))));

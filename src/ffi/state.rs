@@ -114,9 +114,10 @@ enum Global {
     Shut,
 }
 
-/// The runtime. Calls hold a read lock (their thread's shard) for their
-/// whole duration, so `gpupool_shutdown` (the only writer besides init)
-/// waits for calls in flight and no call ever sees a half-torn-down runtime.
+/// The runtime. Calls that find no live state through `readers::LIVE`
+/// (none, or a thread past its reader slot) hold a read lock (their
+/// thread's shard) for their whole duration; init and shutdown write it
+/// (see the file's invariants).
 static GLOBAL: LazyLock<ShardedLock<Global>> = LazyLock::new(|| ShardedLock::new(Global::Uninit));
 
 static LOG_INSTALLED: AtomicBool = AtomicBool::new(false);
@@ -193,17 +194,16 @@ fn with_state_slow<T>(t: &FfiThread, f: impl FnOnce(&State) -> FResult<T>) -> FR
     }
 }
 
-/// Whether this thread is inside a call (which holds a read lock of
-/// [`GLOBAL`]).
+/// Whether this thread is inside a call (which holds the state).
 fn in_call() -> bool {
     with_thread(|t| !t.current.get().is_null())
 }
 
 /// Drops a stream removed by [`State::remove_stream`] after a grace period:
-/// a write lock of [`GLOBAL`], which waits for every call in flight (any of
-/// which may hold the stream through its thread's `last_stream`). From
-/// inside a call (which holds a read lock) it is kept until the next grace
-/// period or the shutdown instead.
+/// a write lock of [`GLOBAL`] and `readers::synchronize`, which wait for
+/// every call in flight (any of which may hold the stream through its
+/// thread's `last_stream`). From inside a call it is kept until the next
+/// grace period or the shutdown instead.
 pub(super) fn bury(gone: Option<Box<Known>>) {
     let Some(k) = gone else { return };
     let cur = with_thread(|t| t.current.get());

@@ -47,8 +47,8 @@ impl LastStream {
 
 /// What the ABI keeps per thread.
 pub(super) struct FfiThread {
-    /// The state of the call this thread is inside, while that call holds
-    /// its read lock of the global state; null outside calls.
+    /// The state of the call this thread is inside, for as long as that
+    /// call holds it (`state.rs`); null outside calls.
     pub(super) current: Cell<*const State>,
     /// This thread's last stream.
     pub(super) last_stream: Cell<LastStream>,
