@@ -84,6 +84,9 @@ pub(crate) struct Slabs {
     used_ids: AtomicU32,
     /// Slab bytes per class.
     slab_sizes: Box<[u64]>,
+    /// Per class, `ceil(2^64 / size)`: a raw free finds its slot by a
+    /// multiply instead of a division (see [`Slabs::slot_of_offset`]).
+    recips: Box<[u64]>,
 }
 
 /// Why a raw free found no live raw slot at an address.
@@ -140,6 +143,13 @@ impl Slabs {
             .iter()
             .zip(classes.sizes())
             .all(|(&sb, &s)| sb / s <= 1 << SLOT_BITS));
+        // Below 2^64 for every size of at least 2 (classes are multiples of
+        // 256).
+        let recips = classes
+            .sizes()
+            .iter()
+            .map(|&size| ((1u128 << 64).div_ceil(u128::from(size))) as u64)
+            .collect();
         let max_slabs = (capacity / MIN_SLAB + 1).min((u32::MAX >> SLOT_BITS) as u64 - 1) as usize;
         Slabs {
             classes,
@@ -149,7 +159,22 @@ impl Slabs {
                 .collect(),
             used_ids: AtomicU32::new(0),
             slab_sizes,
+            recips,
         }
+    }
+
+    /// The slot of `class` starting at byte `off` of a slab (`off` below
+    /// the slab's bytes), or `None` if no slot starts there.
+    ///
+    /// With `r = ceil(2^64 / size) = 2^64 / size + e` (`0 <= e < 1`), an
+    /// offset `off = q * size` gives `off * r = q * 2^64 + off * e`, and
+    /// `off * e < off < 2^64`: the 128-bit product's high half is exactly
+    /// `q`. Any other offset fails the multiply-back check. One `mul`
+    /// instead of a `div` (tens of cycles) on every raw free.
+    #[inline(always)]
+    fn slot_of_offset(&self, class: usize, off: u64) -> Option<u64> {
+        let s = ((u128::from(off) * u128::from(self.recips[class])) >> 64) as u64;
+        (s.wrapping_mul(self.classes.size_of(class)) == off).then_some(s)
     }
 
     /// Bytes of a slab of `class`.
@@ -329,12 +354,14 @@ impl Slabs {
         if base == 0 || addr < base {
             return None;
         }
-        let size = self.classes.size_of(class);
         let off = addr - base;
-        if off % size != 0 || off / size >= n as u64 {
+        if off >= self.slab_bytes(class) {
             return None;
         }
-        let idx = id << SLOT_BITS | (off / size) as u32;
+        let s = self
+            .slot_of_offset(class, off)
+            .filter(|&s| s < u64::from(n))?;
+        let idx = id << SLOT_BITS | s as u32;
         Some(SlotRef { idx, class, addr })
     }
 
@@ -363,12 +390,14 @@ impl Slabs {
         if base == 0 || addr < base || addr - base >= self.slab_bytes(class) {
             return Err(RawMiss::Outside);
         }
-        let size = self.classes.size_of(class);
         let off = addr - base;
-        if off % size != 0 || off / size >= h.nslots.load(Relaxed) as u64 {
+        let Some(s) = self
+            .slot_of_offset(class, off)
+            .filter(|&s| s < u64::from(h.nslots.load(Relaxed)))
+        else {
             return Err(RawMiss::Interior);
-        }
-        let s = (off / size) as usize;
+        };
+        let s = s as usize;
         let a = h
             .arrays
             .get()
@@ -391,5 +420,37 @@ impl Slabs {
     pub(crate) fn is_raw_live(&self, idx: u32) -> bool {
         let (a, s) = self.arrays(idx);
         a.requested[s].load(Acquire) & RAW_LIVE != 0
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// The multiply finds exactly the offsets a division would, for every
+    /// offset of every class's slab, and for far larger offsets too.
+    #[test]
+    fn slot_of_offset_agrees_with_division() {
+        for small_max in [32 << 10, 1 << 20] {
+            let classes = SizeClasses::new(small_max);
+            let slabs = Slabs::new(classes.clone(), 8 << 20, 1 << 30, 2);
+            for (class, &size) in classes.sizes().iter().enumerate() {
+                let by_div = |off: u64| (off % size == 0).then_some(off / size);
+                for off in 0..slabs.slab_bytes(class) {
+                    assert_eq!(
+                        slabs.slot_of_offset(class, off),
+                        by_div(off),
+                        "{size} {off}"
+                    );
+                }
+                let mut off = 1u64;
+                while off < u64::MAX / 3 {
+                    for o in [off - 1, off, off + 1, off / size * size] {
+                        assert_eq!(slabs.slot_of_offset(class, o), by_div(o), "{size} {o}");
+                    }
+                    off = off * 3 + 7;
+                }
+            }
+        }
     }
 }
