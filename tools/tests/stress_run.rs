@@ -318,6 +318,16 @@ fn peers_run_the_same_traffic_through_the_pytorch_port() {
     );
     assert!(ceiling.driver_calls.is_empty() && ceiling.driver_ms == 0.0);
     assert_eq!(ceiling.device_locks_per_op, 0.0);
+    // Each allocator's own time per operation is measured against that
+    // ceiling: none for the harness itself, some for every allocator.
+    assert_eq!(ceiling.allocator_ns_per_op, Some(0.0));
+    for own in r.peers[..2]
+        .iter()
+        .map(|p| p.allocator_ns_per_op)
+        .chain([r.allocator_ns_per_op])
+    {
+        assert!(own.is_some_and(|ns| ns > 0.0), "{own:?}");
+    }
     for p in &r.peers[..2] {
         assert!(p.ops >= 200, "{p:?}");
         assert!(p.seconds >= 0.5, "{p:?}");

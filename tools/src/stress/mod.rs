@@ -270,6 +270,18 @@ pub fn run(opts: &StressOptions, mut progress: impl FnMut(&Progress)) -> Result<
         seconds,
     };
     let mut r = build_report(&rt, sim, opts, totals, counts, series)?;
+    let ceiling = peers
+        .iter()
+        .find(|p| p.name == NoAllocator.name())
+        .map(|p| p.ops_per_sec);
+    if let Some(ceiling) = ceiling {
+        let threads = (opts.threads * opts.devices) as f64;
+        let own = |ops_per_sec: f64| threads * 1e9 * (1.0 / ops_per_sec - 1.0 / ceiling);
+        r.allocator_ns_per_op = Some(own(r.ops_per_sec));
+        for p in &mut peers {
+            p.allocator_ns_per_op = Some(own(p.ops_per_sec));
+        }
+    }
     r.peers = peers;
     Ok(r)
 }

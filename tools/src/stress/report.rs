@@ -112,6 +112,8 @@ pub struct PeerStress {
     pub driver_calls: std::collections::BTreeMap<String, u64>,
     /// Their modeled time in milliseconds (the same cost table).
     pub driver_ms: f64,
+    /// See [`StressReport::allocator_ns_per_op`] (0 for `harness_only`).
+    pub allocator_ns_per_op: Option<f64>,
 }
 
 /// The report of one stress run. The keys `ops`, `integrity_errors`,
@@ -223,6 +225,12 @@ pub struct StressReport {
     pub per_device: Vec<DeviceStress>,
     /// The same traffic through the peers, with `--peers` (else empty).
     pub peers: Vec<PeerStress>,
+    /// With `--peers`: thread time per operation beyond the harness alone
+    /// (`harness_only`), in ns: threads x (1/ops_per_sec - 1/harness
+    /// ops_per_sec). What the allocator itself costs an operation; unlike
+    /// ops/s it compares stream counts fairly, as the harness's own events
+    /// and waits slow it with more streams.
+    pub allocator_ns_per_op: Option<f64>,
 }
 
 impl StressReport {
@@ -390,7 +398,7 @@ impl fmt::Display for StressReport {
         if !self.peers.is_empty() {
             writeln!(
                 f,
-                "  same traffic      {:>16} {:>10} {:>8} {:>12} {:>14} {:>10} {:>6} {:>11} {:>10}",
+                "  same traffic      {:>16} {:>10} {:>8} {:>12} {:>14} {:>10} {:>6} {:>11} {:>10} {:>10}",
                 "allocator",
                 "ops/s",
                 "p99.9",
@@ -399,7 +407,8 @@ impl fmt::Display for StressReport {
                 "res/live",
                 "OOMs",
                 "locks/op",
-                "driver ms"
+                "driver ms",
+                "own ns/op"
             )?;
             let row = |f: &mut fmt::Formatter<'_>,
                        name: &str,
@@ -409,10 +418,11 @@ impl fmt::Display for StressReport {
                        res: u64,
                        ooms: u64,
                        locks: f64,
-                       ms: f64| {
+                       ms: f64,
+                       own: Option<f64>| {
                 writeln!(
                     f,
-                    "                    {:>16} {:>10.0} {:>6}us {:>12} {:>14} {:>9.2}x {:>6} {:>11.3} {:>10.1}",
+                    "                    {:>16} {:>10.0} {:>6}us {:>12} {:>14} {:>9.2}x {:>6} {:>11.3} {:>10.1} {:>10.0}",
                     name,
                     ops,
                     p999 / 1000,
@@ -421,7 +431,8 @@ impl fmt::Display for StressReport {
                     res as f64 / live.max(1) as f64,
                     ooms,
                     locks,
-                    ms
+                    ms,
+                    own.unwrap_or(f64::NAN)
                 )
             };
             row(
@@ -434,6 +445,7 @@ impl fmt::Display for StressReport {
                 self.ooms,
                 self.heap_locks_per_op,
                 self.driver_ms - self.harness_driver_ms,
+                self.allocator_ns_per_op,
             )?;
             for p in &self.peers {
                 row(
@@ -446,6 +458,7 @@ impl fmt::Display for StressReport {
                     p.ooms,
                     p.device_locks_per_op,
                     p.driver_ms,
+                    p.allocator_ns_per_op,
                 )?;
             }
         }
