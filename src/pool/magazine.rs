@@ -35,13 +35,14 @@
 //!    no driver call, and nothing at all once its pool is torn down.
 
 use super::stream::{Stream, StreamInner};
-use super::thread_state::{my_shard, STATE};
+use super::thread_state::{my_shard, state, ThreadState, STATE};
 use super::PoolShared;
 use std::sync::atomic::Ordering::AcqRel;
 use std::sync::{Arc, Weak};
 
 /// Slots per class per magazine.
 pub(crate) const CAP: usize = 16;
+const _: () = assert!(CAP.is_power_of_two());
 
 /// Magazines per thread, most recently freed-on stream first.
 const WAYS: usize = 4;
@@ -55,18 +56,21 @@ struct Rack {
 }
 
 impl Rack {
+    // `len <= CAP` always; the masks below are the identity on the indices
+    // used and spare the bounds checks (`CAP` is a power of two).
     #[inline]
     fn pop(&mut self) -> Option<(u32, u64)> {
         let n = self.len.checked_sub(1)?;
         self.len = n;
-        Some((self.slots[n], self.addrs[n]))
+        Some((self.slots[n & (CAP - 1)], self.addrs[n & (CAP - 1)]))
     }
 
     /// Pushes into a rack that is not full.
     #[inline]
     fn push(&mut self, idx: u32, addr: u64) {
-        self.slots[self.len] = idx;
-        self.addrs[self.len] = addr;
+        debug_assert!(self.len < CAP);
+        self.slots[self.len & (CAP - 1)] = idx;
+        self.addrs[self.len & (CAP - 1)] = addr;
         self.len += 1;
     }
 }
@@ -181,33 +185,42 @@ impl Drop for Magazine {
 /// The fast lane of an allocation: a slot of `class` from the front
 /// magazine if it is `stream`'s, counted as an allocation of `requested`
 /// bytes taking `rounded`, with its address.
-#[inline]
+#[inline(always)]
 pub(crate) fn alloc_front(
     stream: &Stream,
     class: usize,
     requested: u64,
     rounded: u64,
 ) -> Option<(u32, u64)> {
-    STATE
-        .try_with(|t| {
-            let mut m = t.mags.try_borrow_mut().ok()?;
-            let mag = m[0].as_mut().filter(|g| g.is_of(stream))?;
-            let got = mag.racks.get_mut(class)?.pop()?;
-            stream
-                .inner
-                .pool
-                .counters
-                .on_alloc_in(mag.shard, requested, rounded, true);
-            Some(got)
-        })
-        .ok()
-        .flatten()
+    // SAFETY: the state is used within this call only.
+    let t = unsafe { state() }?;
+    alloc_front_in(t, stream, class, requested, rounded)
+}
+
+/// [`alloc_front`] on this thread's state.
+#[inline(always)]
+fn alloc_front_in(
+    t: &ThreadState,
+    stream: &Stream,
+    class: usize,
+    requested: u64,
+    rounded: u64,
+) -> Option<(u32, u64)> {
+    let mut m = t.mags.try_borrow_mut().ok()?;
+    let mag = m[0].as_mut().filter(|g| g.is_of(stream))?;
+    let got = mag.racks.get_mut(class)?.pop()?;
+    stream
+        .inner
+        .pool
+        .counters
+        .on_alloc_in(mag.shard, requested, rounded, true);
+    Some(got)
 }
 
 /// The fast lane of a free: keeps the slot in the front magazine if it is
 /// `stream`'s and has room, counted as a free; `false` if the caller must
 /// take the general path.
-#[inline]
+#[inline(always)]
 pub(crate) fn free_front(
     stream: &Stream,
     class: usize,
@@ -216,26 +229,38 @@ pub(crate) fn free_front(
     requested: u64,
     rounded: u64,
 ) -> bool {
-    STATE
-        .try_with(|t| {
-            let Ok(mut m) = t.mags.try_borrow_mut() else {
-                return false;
-            };
-            let Some(mag) = m[0].as_mut().filter(|g| g.is_of(stream)) else {
-                return false;
-            };
-            let Some(r) = mag.racks.get_mut(class).filter(|r| r.len < CAP) else {
-                return false;
-            };
-            r.push(idx, addr);
-            stream
-                .inner
-                .pool
-                .counters
-                .on_free_in(mag.shard, requested, rounded, true);
-            true
-        })
-        .unwrap_or(false)
+    // SAFETY: the state is used within this call only.
+    unsafe { state() }
+        .is_some_and(|t| free_front_in(t, stream, class, idx, addr, requested, rounded))
+}
+
+/// [`free_front`] on this thread's state.
+#[inline(always)]
+fn free_front_in(
+    t: &ThreadState,
+    stream: &Stream,
+    class: usize,
+    idx: u32,
+    addr: u64,
+    requested: u64,
+    rounded: u64,
+) -> bool {
+    let Ok(mut m) = t.mags.try_borrow_mut() else {
+        return false;
+    };
+    let Some(mag) = m[0].as_mut().filter(|g| g.is_of(stream)) else {
+        return false;
+    };
+    let Some(r) = mag.racks.get_mut(class).filter(|r| r.len < CAP) else {
+        return false;
+    };
+    r.push(idx, addr);
+    stream
+        .inner
+        .pool
+        .counters
+        .on_free_in(mag.shard, requested, rounded, true);
+    true
 }
 
 /// A slot of `class` this thread freed on `stream`, with its address, if

@@ -206,7 +206,7 @@ impl Counters {
 
     /// [`Counters::on_alloc_from`] in shard `i` (`own`: this thread owns
     /// it), for a caller that knows its shard (a magazine caches it).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn on_alloc_in(
         &self,
         (i, own): (usize, bool),

@@ -61,6 +61,27 @@ thread_local! {
     };
 }
 
+/// This thread's state; `None` while it is destroyed or after.
+///
+/// The thread-local is only looked up inside `try_with`, and the caller's
+/// work runs outside it: a large closure inside `try_with` (or passed to
+/// a helper) made LLVM keep it out of line, a call with its prologue on
+/// every small allocation and free.
+///
+/// # Safety
+///
+/// The reference must not be kept past the caller's return (it is not
+/// `'static`: the state goes when the thread exits).
+#[inline(always)]
+pub(super) unsafe fn state<'a>() -> Option<&'a ThreadState> {
+    let p: *const ThreadState = STATE.try_with(|t| t as *const ThreadState).ok()?;
+    // SAFETY: `try_with` found this thread's state alive, and only this
+    // thread's exit destroys it, which cannot begin while the caller runs
+    // on the thread (the caller keeps the reference no longer); no other
+    // thread ever reaches this state.
+    Some(unsafe { &*p })
+}
+
 /// This thread's shard, and whether it owns it alone.
 #[inline]
 pub(super) fn my_shard() -> (usize, bool) {
