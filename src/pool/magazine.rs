@@ -35,7 +35,7 @@
 //!    no driver call, and nothing at all once its pool is torn down.
 
 use super::stream::{Stream, StreamInner};
-use super::thread_state::{my_shard, state, ThreadState, STATE};
+use super::thread_state::{my_shard, state, STATE};
 use super::PoolShared;
 use std::sync::atomic::Ordering::AcqRel;
 use std::sync::{Arc, Weak};
@@ -194,18 +194,6 @@ pub(crate) fn alloc_front(
 ) -> Option<(u32, u64)> {
     // SAFETY: the state is used within this call only.
     let t = unsafe { state() }?;
-    alloc_front_in(t, stream, class, requested, rounded)
-}
-
-/// [`alloc_front`] on this thread's state.
-#[inline(always)]
-fn alloc_front_in(
-    t: &ThreadState,
-    stream: &Stream,
-    class: usize,
-    requested: u64,
-    rounded: u64,
-) -> Option<(u32, u64)> {
     let mut m = t.mags.try_borrow_mut().ok()?;
     let mag = m[0].as_mut().filter(|g| g.is_of(stream))?;
     let got = mag.racks.get_mut(class)?.pop()?;
@@ -230,21 +218,9 @@ pub(crate) fn free_front(
     rounded: u64,
 ) -> bool {
     // SAFETY: the state is used within this call only.
-    unsafe { state() }
-        .is_some_and(|t| free_front_in(t, stream, class, idx, addr, requested, rounded))
-}
-
-/// [`free_front`] on this thread's state.
-#[inline(always)]
-fn free_front_in(
-    t: &ThreadState,
-    stream: &Stream,
-    class: usize,
-    idx: u32,
-    addr: u64,
-    requested: u64,
-    rounded: u64,
-) -> bool {
+    let Some(t) = (unsafe { state() }) else {
+        return false;
+    };
     let Ok(mut m) = t.mags.try_borrow_mut() else {
         return false;
     };
