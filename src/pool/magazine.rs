@@ -186,21 +186,17 @@ impl Drop for Magazine {
 /// magazine if it is `stream`'s, counted as an allocation of `requested`
 /// bytes taking `rounded`, with its address.
 #[inline(always)]
-pub(crate) fn alloc_front(
-    stream: &Stream,
-    class: usize,
-    requested: u64,
-    rounded: u64,
-) -> Option<(u32, u64)> {
+pub(crate) fn alloc_front(stream: &Stream, class: usize, requested: u64) -> Option<(u32, u64)> {
     // SAFETY: the state is used within this call only.
     let t = unsafe { state() }?;
     let mut m = t.mags.try_borrow_mut().ok()?;
     let mag = m[0].as_mut().filter(|g| g.is_of(stream))?;
     let got = mag.racks.get_mut(class)?.pop()?;
-    stream
-        .inner
-        .pool
-        .counters
+    // The rounded size is read here, not by the caller: kept across the
+    // lookups above it cost a register spill.
+    let pool = &stream.inner.pool;
+    let rounded = pool.slabs.classes.size_of(class);
+    pool.counters
         .on_alloc_in(mag.shard, requested, rounded, true);
     Some(got)
 }
@@ -215,7 +211,6 @@ pub(crate) fn free_front(
     idx: u32,
     addr: u64,
     requested: u64,
-    rounded: u64,
 ) -> bool {
     // SAFETY: the state is used within this call only.
     let Some(t) = (unsafe { state() }) else {
@@ -231,10 +226,9 @@ pub(crate) fn free_front(
         return false;
     };
     r.push(idx, addr);
-    stream
-        .inner
-        .pool
-        .counters
+    let pool = &stream.inner.pool;
+    let rounded = pool.slabs.classes.size_of(class);
+    pool.counters
         .on_free_in(mag.shard, requested, rounded, true);
     true
 }

@@ -171,11 +171,10 @@ pub(crate) struct PoolShared {
     recorded_entries: std::sync::atomic::AtomicUsize,
     /// Slots of retired streams still in other threads' magazines.
     tombs: Mutex<orphans::Tombs>,
-    /// Whether alloc and free events are recorded (one relaxed load on the
-    /// fast path when off).
-    recording: AtomicBool,
+    /// Whether the pool is shut, and whether alloc and free events are
+    /// recorded: one byte, so the small fast lane tests both in one load.
+    flags: PoolFlags,
     history: Mutex<History>,
-    shut: AtomicBool,
     /// Set once [`PoolShared::teardown`] gave the device memory back: the
     /// pool makes no driver call after that (streams that retire later, from
     /// other threads' caches, only touch host memory).
@@ -214,6 +213,41 @@ thread_local! {
     /// Host-blocking syncs this thread made through the pool, so that an
     /// out-of-memory wait counts its own and not other threads'.
     static HOST_SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// A pool's shut and recording flags, in one byte.
+#[derive(Debug, Default)]
+struct PoolFlags(std::sync::atomic::AtomicU8);
+
+impl PoolFlags {
+    /// Later calls fail with `Error::Shutdown`.
+    const SHUT: u8 = 1;
+    /// Alloc and free events are recorded (`record_history`).
+    const RECORDING: u8 = 2;
+
+    fn set(&self, flag: u8, on: bool, order: std::sync::atomic::Ordering) {
+        if on {
+            self.0.fetch_or(flag, order);
+        } else {
+            self.0.fetch_and(!flag, order);
+        }
+    }
+
+    #[inline]
+    fn shut(&self) -> bool {
+        self.0.load(Relaxed) & Self::SHUT != 0
+    }
+
+    #[inline]
+    fn recording(&self) -> bool {
+        self.0.load(Relaxed) & Self::RECORDING != 0
+    }
+
+    /// Either flag (the small fast lane serves neither case).
+    #[inline(always)]
+    fn any(&self) -> bool {
+        self.0.load(Relaxed) != 0
+    }
 }
 
 /// Recorded allocation events.
@@ -294,9 +328,8 @@ impl DevicePool {
             recorded_streams: Mutex::new(HashMap::default()),
             recorded_entries: std::sync::atomic::AtomicUsize::new(0),
             tombs: Mutex::new(HashMap::default()),
-            recording: AtomicBool::new(false),
+            flags: PoolFlags::default(),
             history: Mutex::new(History::default()),
-            shut: AtomicBool::new(false),
             torn_down: AtomicBool::new(false),
             flush_wanted: AtomicBool::new(false),
             quarantined: AtomicBool::new(false),
@@ -473,7 +506,7 @@ impl DevicePool {
             h.events.clear();
             h.start = Some(std::time::Instant::now());
         }
-        self.shared.recording.store(on, Relaxed);
+        self.shared.flags.set(PoolFlags::RECORDING, on, Relaxed);
     }
 
     /// The events recorded so far.
@@ -503,7 +536,7 @@ impl DevicePool {
 
     /// Marks the pool shut down: later calls fail with [`Error::Shutdown`].
     pub fn shutdown(&self) {
-        self.shared.shut.store(true, Relaxed);
+        self.shared.flags.set(PoolFlags::SHUT, true, Relaxed);
     }
 }
 
@@ -519,7 +552,7 @@ impl Drop for DevicePool {
 
 impl PoolShared {
     fn check_live(&self) -> Result<()> {
-        if self.shut.load(Relaxed) {
+        if self.flags.shut() {
             Err(Error::Shutdown)
         } else {
             Ok(())
@@ -572,15 +605,13 @@ impl PoolShared {
     #[inline(always)]
     fn alloc_front(&self, size: u64, stream: &Stream, raw: bool) -> Option<(DevicePtr, Kind)> {
         let class = self.slabs.classes.class_of(size)?;
-        if self.shut.load(Relaxed)
-            || self.recording.load(Relaxed)
+        if self.flags.any()
             || !std::ptr::eq(stream.pool_ptr(), self)
             || (raw && self.capture.any_routed())
         {
             return None;
         }
-        let rounded = self.slabs.classes.size_of(class);
-        let (idx, addr) = magazine::alloc_front(stream, class, size, rounded)?;
+        let (idx, addr) = magazine::alloc_front(stream, class, size)?;
         self.slabs.note_alloc(idx, size, raw);
         Some((
             DevicePtr(addr),
@@ -654,7 +685,7 @@ impl PoolShared {
             }
         };
         self.counters.on_alloc_from(size, rounded, from_magazine);
-        if self.recording.load(Relaxed) {
+        if self.flags.recording() {
             self.record(HistoryAction::Alloc, ptr.addr(), size, stream.handle());
         }
         Ok((ptr, kind))
@@ -897,7 +928,7 @@ impl PoolShared {
     #[inline]
     fn parks_at_once(&self, stream: &Stream) -> Option<u16> {
         let quiet = !self.capture.underway()
-            && !self.recording.load(Relaxed)
+            && !self.flags.recording()
             && !self.plans.enabled()
             && self.tags.is_empty();
         stream.slot().filter(|_| quiet)
@@ -930,15 +961,7 @@ impl PoolShared {
         stream: &Stream,
     ) -> bool {
         let class = class as usize;
-        !self.recording.load(Relaxed)
-            && magazine::free_front(
-                stream,
-                class,
-                idx,
-                ptr.addr(),
-                requested,
-                self.slabs.classes.size_of(class),
-            )
+        !self.flags.recording() && magazine::free_front(stream, class, idx, ptr.addr(), requested)
     }
 
     /// Frees a block allocated on `stream` and also used on `extra`
@@ -955,7 +978,7 @@ impl PoolShared {
         if self.defer_free(ptr, kind, requested, stream, extra) {
             return;
         }
-        if self.recording.load(Relaxed) {
+        if self.flags.recording() {
             self.record(
                 HistoryAction::FreeRequested,
                 ptr.addr(),

@@ -236,7 +236,7 @@ impl PoolShared {
         let addr = self.alloc_granules(len, live, stream)?;
         self.tags.insert(addr, tag, len, size, stream.core());
         self.counters.on_alloc(size, len);
-        if self.recording.load(Relaxed) {
+        if self.flags.recording() {
             self.record(super::HistoryAction::Alloc, addr, size, stream.handle());
         }
         Ok((DevicePtr(addr), Kind::Large { len }))

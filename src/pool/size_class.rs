@@ -79,10 +79,12 @@ impl SizeClasses {
     /// The class of a request of `size` bytes (1..=small_max).
     #[inline]
     pub fn class_of(&self, size: u64) -> Option<usize> {
-        if size == 0 || size > self.small_max() {
-            return None;
-        }
-        Some(self.lut[((size - 1) / ALIGN) as usize] as usize)
+        // One bounds check is the whole range check: `lut` has
+        // `small_max / ALIGN` entries and `small_max` is a multiple of
+        // ALIGN, so `(size - 1) / ALIGN` is in bounds exactly for sizes
+        // 1..=small_max, and size 0 wraps far past the end.
+        let i = usize::try_from(size.wrapping_sub(1) / ALIGN).ok()?;
+        self.lut.get(i).map(|&c| usize::from(c))
     }
 
     /// Slot size of class `c`.
@@ -135,6 +137,8 @@ mod tests {
         }
         assert_eq!(sc.class_of(0), None);
         assert_eq!(sc.class_of((256 << 10) + 1), None);
+        assert_eq!(sc.class_of(u64::MAX), None);
+        assert_eq!(sc.class_of(256 << 10), Some(sc.len() - 1));
     }
 
     #[test]

@@ -35,6 +35,11 @@ const SLOT_BITS: u32 = 13;
 /// Slab headers are allocated in chunks of this many, on first use.
 const CHUNK: usize = 1024;
 
+/// Chunks enough for every slab id a slot index can name (`32 -
+/// SLOT_BITS` bits): a fixed table, so a lookup masks instead of checking
+/// bounds.
+const CHUNKS: usize = (1 << (32 - SLOT_BITS)) / CHUNK;
+
 /// Slots taken from the clean stack at once by a stream, so that one
 /// stream's slots sit together (their links and sizes share cache lines
 /// with each other, not with another thread's).
@@ -79,7 +84,9 @@ pub(crate) struct Slabs {
     pub classes: SizeClasses,
     pub stacks: Box<[ClassStacks]>,
     /// Slab headers by id, in lazily allocated chunks.
-    chunks: Box<[OnceLock<Box<[Slab; CHUNK]>>]>,
+    chunks: Box<[OnceLock<Box<[Slab; CHUNK]>>; CHUNKS]>,
+    /// Chunks this pool may use (its capacity's worth of slabs).
+    max_chunks: usize,
     /// Slab ids handed out so far (high-water mark).
     used_ids: AtomicU32,
     /// Slab bytes per class.
@@ -154,9 +161,8 @@ impl Slabs {
         Slabs {
             classes,
             stacks,
-            chunks: (0..max_slabs.div_ceil(CHUNK))
-                .map(|_| OnceLock::new())
-                .collect(),
+            chunks: Box::new([const { OnceLock::new() }; CHUNKS]),
+            max_chunks: max_slabs.div_ceil(CHUNK).min(CHUNKS),
             used_ids: AtomicU32::new(0),
             slab_sizes,
             recips,
@@ -185,7 +191,8 @@ impl Slabs {
 
     #[inline(always)]
     fn header(&self, id: u32) -> &Slab {
-        let chunk = self.chunks[id as usize / CHUNK]
+        // The mask is the identity on slab ids (below 2^(32 - SLOT_BITS)).
+        let chunk = self.chunks[(id as usize / CHUNK) & (CHUNKS - 1)]
             .get()
             .expect("slab ids are installed before use");
         &chunk[id as usize % CHUNK]
@@ -289,7 +296,7 @@ impl Slabs {
             Some(id) => id,
             None => {
                 let id = self.used_ids.load(Relaxed);
-                if id as usize / CHUNK >= self.chunks.len() {
+                if id as usize / CHUNK >= self.max_chunks {
                     return None;
                 }
                 self.chunks[id as usize / CHUNK].get_or_init(|| {

@@ -15,7 +15,7 @@ impl PoolShared {
     /// afterwards the pool makes no driver call.
     pub(super) fn teardown(&self) {
         use std::sync::atomic::Ordering::{AcqRel, Release};
-        self.shut.store(true, Release);
+        self.flags.set(super::PoolFlags::SHUT, true, Release);
         // Streams that retire from now on (other threads' caches) skip
         // their flush: everything is waited for below.
         if self.torn_down.swap(true, AcqRel) {
