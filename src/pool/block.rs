@@ -117,7 +117,7 @@ impl Drop for Block<'_> {
             let Kind::Small { idx, class } = Meta::kind(w) else {
                 unreachable!("the small bit is set");
             };
-            if pool.free_small_front(self.ptr, idx, class, self.size as u64, self.stream) {
+            if pool.free_small_front(self.ptr, idx, class, self.size as u64, self.stream, None) {
                 return;
             }
         }

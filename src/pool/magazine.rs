@@ -34,6 +34,7 @@
 //! 2. A magazine's drop (thread exit included) touches host memory only:
 //!    no driver call, and nothing at all once its pool is torn down.
 
+use super::small::SizeWord;
 use super::stream::{Stream, StreamInner};
 use super::thread_state::{my_shard, state, STATE};
 use super::PoolShared;
@@ -47,30 +48,37 @@ const _: () = assert!(CAP.is_power_of_two());
 /// Magazines per thread, most recently freed-on stream first.
 const WAYS: usize = 4;
 
-/// One class's slots, with their device addresses.
+/// One class's slots, with their device addresses and size words.
+/// Invariant: `words[i]` is the size word of `slots[i]` in the slabs of
+/// the magazine's pool (every push takes it from that pool), or
+/// [`SizeWord::NONE`] (a typed block's free, which has no word at hand).
 #[derive(Debug, Clone, Copy)]
 struct Rack {
     len: usize,
     slots: [u32; CAP],
     addrs: [u64; CAP],
+    words: [SizeWord; CAP],
 }
 
 impl Rack {
     // `len <= CAP` always; the masks below are the identity on the indices
     // used and spare the bounds checks (`CAP` is a power of two).
     #[inline]
-    fn pop(&mut self) -> Option<(u32, u64)> {
+    fn pop(&mut self) -> Option<(u32, u64, SizeWord)> {
         let n = self.len.checked_sub(1)?;
         self.len = n;
-        Some((self.slots[n & (CAP - 1)], self.addrs[n & (CAP - 1)]))
+        let i = n & (CAP - 1);
+        Some((self.slots[i], self.addrs[i], self.words[i]))
     }
 
     /// Pushes into a rack that is not full.
     #[inline]
-    fn push(&mut self, idx: u32, addr: u64) {
+    fn push(&mut self, idx: u32, addr: u64, word: SizeWord) {
         debug_assert!(self.len < CAP);
-        self.slots[self.len & (CAP - 1)] = idx;
-        self.addrs[self.len & (CAP - 1)] = addr;
+        let i = self.len & (CAP - 1);
+        self.slots[i] = idx;
+        self.addrs[i] = addr;
+        self.words[i] = word;
         self.len += 1;
     }
 }
@@ -110,6 +118,7 @@ impl Magazine {
                     len: 0,
                     slots: [0; CAP],
                     addrs: [0; CAP],
+                    words: [SizeWord::NONE; CAP],
                 };
                 n
             ]
@@ -186,7 +195,11 @@ impl Drop for Magazine {
 /// magazine if it is `stream`'s, counted as an allocation of `requested`
 /// bytes taking `rounded`, with its address.
 #[inline(always)]
-pub(crate) fn alloc_front(stream: &Stream, class: usize, requested: u64) -> Option<(u32, u64)> {
+pub(crate) fn alloc_front(
+    stream: &Stream,
+    class: usize,
+    requested: u64,
+) -> Option<(u32, u64, SizeWord)> {
     // SAFETY: the state is used within this call only.
     let t = unsafe { state() }?;
     let mut m = t.mags.try_borrow_mut().ok()?;
@@ -203,7 +216,8 @@ pub(crate) fn alloc_front(stream: &Stream, class: usize, requested: u64) -> Opti
 
 /// The fast lane of a free: keeps the slot in the front magazine if it is
 /// `stream`'s and has room, counted as a free; `false` if the caller must
-/// take the general path.
+/// take the general path. `word` is the slot's size word in the slabs of
+/// `stream`'s pool, or none (the rack's invariant).
 #[inline(always)]
 pub(crate) fn free_front(
     stream: &Stream,
@@ -211,6 +225,7 @@ pub(crate) fn free_front(
     idx: u32,
     addr: u64,
     requested: u64,
+    word: SizeWord,
 ) -> bool {
     // SAFETY: the state is used within this call only.
     let Some(t) = (unsafe { state() }) else {
@@ -225,7 +240,7 @@ pub(crate) fn free_front(
     let Some(r) = mag.racks.get_mut(class).filter(|r| r.len < CAP) else {
         return false;
     };
-    r.push(idx, addr);
+    r.push(idx, addr, word);
     let pool = &stream.inner.pool;
     let rounded = pool.slabs.classes.size_of(class);
     pool.counters
@@ -244,7 +259,7 @@ pub(crate) fn take(stream: &Stream, class: usize) -> Option<(u32, u64)> {
             let mag = m.iter_mut().flatten().find(|g| g.is_of(stream))?;
             // The caller counts the slot out of the magazine with its
             // allocation (`Counters::on_alloc_from`).
-            mag.racks[class].pop()
+            mag.racks[class].pop().map(|(idx, addr, _)| (idx, addr))
         })
         .ok()
         .flatten()
@@ -281,7 +296,7 @@ pub(crate) fn put(stream: &Stream, class: usize, idx: u32, addr: u64) -> bool {
         if mag.racks[class].len == CAP {
             mag.spill(pool, class, CAP / 2);
         }
-        mag.racks[class].push(idx, addr);
+        mag.racks[class].push(idx, addr, SizeWord::NONE);
         // The caller counts it in with the free
         // (`Counters::on_free_to`).
         (true, evicted)

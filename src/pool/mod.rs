@@ -87,7 +87,7 @@ use parking_lot::Mutex;
 use pending::{Pending, PendingList, Waits};
 use rustc_hash::FxHashMap as HashMap;
 use size_class::round_large;
-use small::Slabs;
+use small::{SizeWord, Slabs};
 use smallvec::SmallVec;
 use stats::Counters;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -611,8 +611,15 @@ impl PoolShared {
         {
             return None;
         }
-        let (idx, addr) = magazine::alloc_front(stream, class, size)?;
-        self.slabs.note_alloc(idx, size, raw);
+        let (idx, addr, word) = magazine::alloc_front(stream, class, size)?;
+        if word.is_none() {
+            self.slabs.note_alloc(idx, size, raw);
+        } else {
+            // SAFETY: the slot came from the front magazine of `stream`,
+            // whose pool is this one (checked above): its rack keeps the
+            // slot's size word in this pool's slabs.
+            unsafe { self.slabs.note_alloc_at(word, size, raw) };
+        }
         Some((
             DevicePtr(addr),
             Kind::Small {
@@ -950,8 +957,10 @@ impl PoolShared {
     /// The fast lane of a small free used on its own stream only: into this
     /// thread's front magazine if it is `stream`'s and has room (such a
     /// free is never deferred by a capture: see `defer_free`); `false` if
-    /// the caller must call [`PoolShared::free_block`].
-    #[inline]
+    /// the caller must call [`PoolShared::free_block`]. `stream` is of
+    /// this pool; `word` is the slot's size word if the caller has it (a
+    /// raw free does).
+    #[inline(always)]
     pub(crate) fn free_small_front(
         &self,
         ptr: DevicePtr,
@@ -959,9 +968,17 @@ impl PoolShared {
         class: u16,
         requested: u64,
         stream: &Stream,
+        word: Option<SizeWord>,
     ) -> bool {
+        debug_assert!(std::ptr::eq(stream.pool_ptr(), self));
         let class = class as usize;
-        !self.flags.recording() && magazine::free_front(stream, class, idx, ptr.addr(), requested)
+        if self.flags.recording() {
+            return false;
+        }
+        // Without a word, none is looked up here: the allocation that
+        // takes the slot back does (a typed pair makes one lookup either way).
+        let word = word.unwrap_or(SizeWord::NONE);
+        magazine::free_front(stream, class, idx, ptr.addr(), requested, word)
     }
 
     /// Frees a block allocated on `stream` and also used on `extra`

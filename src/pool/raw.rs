@@ -18,11 +18,25 @@ impl PoolShared {
     /// its bit cleared). Out of line, so that the magazine's fast lane
     /// stays inlined where a typed block drops (its other caller).
     #[inline(never)]
-    fn free_small_slot(&self, ptr: DevicePtr, slot: SlotRef, requested: u64, stream: &Stream) {
+    fn free_small_slot(
+        &self,
+        ptr: DevicePtr,
+        slot: SlotRef,
+        requested: u64,
+        word: SizeWord,
+        stream: &Stream,
+    ) {
         // Only once the free is valid: a bad one changes nothing.
         let extra = self.take_recorded_streams(ptr.addr());
         if !(extra.is_empty()
-            && self.free_small_front(ptr, slot.idx, slot.class as u16, requested, stream))
+            && self.free_small_front(
+                ptr,
+                slot.idx,
+                slot.class as u16,
+                requested,
+                stream,
+                Some(word),
+            ))
         {
             let kind = Kind::Small {
                 idx: slot.idx,
@@ -62,8 +76,8 @@ impl PoolShared {
                 return r;
             }
         }
-        if let Some((slot, requested)) = slab {
-            self.free_small_slot(ptr, slot, requested, stream);
+        if let Some((slot, requested, word)) = slab {
+            self.free_small_slot(ptr, slot, requested, word, stream);
             return Ok(());
         }
         // The common case at once: a raw block freed on the stream that
