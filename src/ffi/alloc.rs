@@ -26,16 +26,18 @@ pub unsafe extern "C" fn gpupool_alloc(
     stream: *mut c_void,
     out: *mut *mut c_void,
 ) -> c_int {
-    with_thread(|t| {
-        status_in(t, "gpupool_alloc", || {
+    // `move` closures throughout: captured by reference, the arguments
+    // went through the stack on every call.
+    with_thread(move |t| {
+        status_in(t, "gpupool_alloc", move || {
             if out.is_null() {
                 return Err(Fail::null("out"));
             }
             // SAFETY: `out` is non-NULL and valid for writes (caller's
             // contract).
             unsafe { out.write(std::ptr::null_mut()) };
-            let p = with_state_in(t, |st| {
-                st.with_stream_in(t, device, stream, |pool, s| {
+            let p = with_state_in(t, move |st| {
+                st.with_stream_in(t, device, stream, move |pool, s| {
                     Ok(super::pause::alloc_raw(t, pool, size, s)?)
                 })
             })?;
@@ -54,7 +56,7 @@ pub unsafe extern "C" fn gpupool_alloc(
 /// `UNKNOWN_POINTER`, `DOUBLE_FREE`.
 #[no_mangle]
 pub extern "C" fn gpupool_free(ptr: *mut c_void, device: c_int, stream: *mut c_void) -> c_int {
-    with_thread(|t| status_in(t, "gpupool_free", || free_impl(t, ptr, device, stream)))
+    with_thread(move |t| status_in(t, "gpupool_free", move || free_impl(t, ptr, device, stream)))
 }
 
 /// The body of `gpupool_free`, shared with `gpupool_torch_free`.
@@ -69,8 +71,8 @@ pub(super) fn free_impl(
         return Err(Fail::null("ptr"));
     }
     let addr = ptr as usize as u64;
-    with_state_in(t, |st| {
-        st.with_pointer_stream_in(t, device, stream, addr, |pool, s| {
+    with_state_in(t, move |st| {
+        st.with_pointer_stream_in(t, device, stream, addr, move |pool, s| {
             pool.free_raw(DevicePtr(addr), s)
                 .map_err(|e| st.classify(e, addr, pool.device()))
         })

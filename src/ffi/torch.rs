@@ -29,7 +29,7 @@ pub extern "C" fn gpupool_torch_malloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    with_thread(|t| torch_malloc(t, size, device, stream))
+    with_thread(move |t| torch_malloc(t, size, device, stream))
 }
 
 /// The body of [`gpupool_torch_malloc`], with this thread's record.
@@ -40,7 +40,9 @@ fn torch_malloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    let r = run_in(t, "gpupool_torch_malloc", || {
+    // `move` closures (as in `gpupool_alloc`): the arguments stay in
+    // registers.
+    let r = run_in(t, "gpupool_torch_malloc", move || {
         let size = usize::try_from(size).map_err(|_| {
             Fail::new(
                 GpupoolStatus::InvalidSize,
@@ -50,9 +52,9 @@ fn torch_malloc(
         if size == 0 {
             return Ok(std::ptr::null_mut());
         }
-        let alloc = || {
-            with_state_in(t, |st| {
-                st.with_stream_in(t, device, stream, |pool, s| {
+        let alloc = move || {
+            with_state_in(t, move |st| {
+                st.with_stream_in(t, device, stream, move |pool, s| {
                     Ok(super::pause::alloc_raw(t, pool, size, s)?)
                 })
             })
@@ -86,8 +88,8 @@ pub extern "C" fn gpupool_torch_free(
     stream: *mut c_void,
 ) {
     let _ = size;
-    let r = with_thread(|t| {
-        run_in(t, "gpupool_torch_free", || {
+    let r = with_thread(move |t| {
+        run_in(t, "gpupool_torch_free", move || {
             if ptr.is_null() {
                 return Ok(());
             }
