@@ -1568,3 +1568,68 @@ fn the_small_fast_lane_keeps_every_check_and_count() {
     assert!(matches!(d1.alloc(1000, &s1), Err(Error::Shutdown)));
     assert!(matches!(d1.alloc_raw(1000, &s1), Err(Error::Shutdown)));
 }
+
+/// Every live small block's requested size, in the block and in the
+/// snapshot, is its own, however its slot went through the magazine: the
+/// fast lane carries each slot's size word beside it (racks fill past
+/// their capacity and spill, typed and raw frees interleave), and a word
+/// that strayed to another slot would report another block's size, or
+/// leave a raw block's live bit unset (its free would fail). No snapshot
+/// or audit until the end: both empty this thread's magazines.
+#[test]
+fn requested_sizes_stay_with_their_slots_through_the_magazine() {
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let s = dev.new_stream().unwrap();
+    // Sizes of one class (3585..=4096 bytes round to 4 KiB), all distinct
+    // within a round.
+    let size_of = |round: usize, i: usize| 3585 + (round * 37 + i * 11) % 512;
+    let rounds = 6;
+    for round in 0..rounds {
+        // Forty of each kind: more than a rack holds, so frees spill.
+        let typed: Vec<_> = (0..40)
+            .map(|i| dev.alloc(size_of(round, i), &s).unwrap())
+            .collect();
+        let raw: Vec<_> = (40..80)
+            .map(|i| {
+                (
+                    dev.alloc_raw(size_of(round, i), &s).unwrap(),
+                    size_of(round, i),
+                )
+            })
+            .collect();
+        for (i, b) in typed.iter().enumerate() {
+            assert_eq!(b.size(), size_of(round, i), "round {round}, typed {i}");
+        }
+        let want: u64 = (0..80).map(|i| size_of(round, i) as u64).sum();
+        assert_eq!(dev.stats().requested_bytes.current, want, "round {round}");
+        if round == rounds - 1 {
+            let snap = dev.snapshot();
+            let requested_at = |addr: u64| {
+                snap.segments
+                    .iter()
+                    .flat_map(|g| &g.blocks)
+                    .find(|b| b.address == addr && b.state == BlockState::ActiveAllocated)
+                    .map(|b| b.requested_size)
+            };
+            for (i, b) in typed.iter().enumerate() {
+                assert_eq!(requested_at(b.ptr().addr()), Some(size_of(round, i) as u64));
+            }
+            for &(p, size) in &raw {
+                assert_eq!(requested_at(p.addr()), Some(size as u64));
+            }
+        }
+        // Frees interleaved, typed and raw, in another order than the
+        // allocations'.
+        let mut typed = typed;
+        for (k, (p, _)) in raw.into_iter().enumerate().rev() {
+            if k % 2 == 0 {
+                typed.pop();
+            }
+            dev.free_raw(p, &s).unwrap();
+        }
+        drop(typed);
+        assert_eq!(dev.stats().requested_bytes.current, 0);
+    }
+    dev.audit().unwrap();
+}

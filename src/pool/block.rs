@@ -1,10 +1,14 @@
 //! `Block`: an RAII device allocation, freed stream-ordered on drop.
 
+use super::small::SizeWord;
 use super::{DevicePool, Kind, Stream, StreamCore};
 use crate::ptr::DevicePtr;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, Ordering::Release};
+use std::sync::atomic::{
+    AtomicU64,
+    Ordering::{Relaxed, Release},
+};
 use std::sync::Arc;
 
 /// A live device allocation. Dropping it frees the memory, ordered after
@@ -12,14 +16,20 @@ use std::sync::Arc;
 /// [`Block::record_stream`]; the host never waits.
 ///
 /// Four words: the stream (which leads to its pool), the address, the
-/// requested size and one word packing where the memory came from with a
-/// flag for recorded streams. A training step holds thousands of blocks,
+/// requested size (for a slab slot: the slot's size word, which holds it)
+/// and one word packing where the memory came from with a flag for
+/// recorded streams. A training step holds thousands of blocks,
 /// and RMM's `random_allocations` keeps tens of thousands in one array,
 /// picked at random: at 32 bytes two blocks share a cache line, where the
 /// 64-byte layout (pool, stream list inline) spread one over two.
 pub struct Block<'a> {
     stream: &'a Stream,
     ptr: DevicePtr,
+    /// The requested size of a large block; for a small one (the
+    /// [`Meta::SMALL`] bit) the bits of its slot's [`SizeWord`], where the
+    /// pool keeps the requested size anyway: the free reads it there and
+    /// hands the word back to the magazine, so neither side of the pair
+    /// looks the slot up.
     size: usize,
     /// [`Meta`] bits; atomic only so that [`Block::record_stream`] can set
     /// [`Meta::RECORDED`] through a shared reference.
@@ -64,7 +74,9 @@ impl Meta {
 }
 
 impl<'a> Block<'a> {
+    /// A large block (see [`PoolShared::block`](super::PoolShared::block)).
     pub(crate) fn new(stream: &'a Stream, ptr: DevicePtr, size: usize, kind: Kind) -> Self {
+        debug_assert!(matches!(kind, Kind::Large { .. }));
         Block {
             stream,
             ptr,
@@ -72,6 +84,37 @@ impl<'a> Block<'a> {
             meta: AtomicU64::new(Meta::pack(kind)),
             _pool: PhantomData,
         }
+    }
+
+    /// A slab slot of `stream`'s pool, with its size word (in that pool's
+    /// slabs, holding the requested size).
+    #[inline(always)]
+    pub(crate) fn small(
+        stream: &'a Stream,
+        ptr: DevicePtr,
+        idx: u32,
+        class: u16,
+        word: SizeWord,
+    ) -> Self {
+        Block {
+            stream,
+            ptr,
+            size: word.to_bits(),
+            meta: AtomicU64::new(Meta::pack(Kind::Small { idx, class })),
+            _pool: PhantomData,
+        }
+    }
+
+    /// The requested size and, for a slab slot, its size word.
+    #[inline(always)]
+    fn requested(&self, meta: u64) -> (u64, Option<SizeWord>) {
+        if meta & Meta::SMALL == 0 {
+            return (self.size as u64, None);
+        }
+        let w = SizeWord::from_bits(self.size);
+        // SAFETY: the word is in the slabs of this block's pool (`small`'s
+        // contract), which the block's stream keeps alive.
+        (unsafe { w.requested() }, Some(w))
     }
 
     /// The device address (256-byte aligned).
@@ -83,7 +126,7 @@ impl<'a> Block<'a> {
     /// The requested size in bytes.
     #[inline]
     pub fn size(&self) -> usize {
-        self.size
+        self.requested(self.meta.load(Relaxed)).0 as usize
     }
 
     /// The stream the block was allocated on.
@@ -117,7 +160,8 @@ impl Drop for Block<'_> {
             let Kind::Small { idx, class } = Meta::kind(w) else {
                 unreachable!("the small bit is set");
             };
-            if pool.free_small_front(self.ptr, idx, class, self.size as u64, self.stream, None) {
+            let (requested, word) = self.requested(w);
+            if pool.free_small_front(self.ptr, idx, class, requested, self.stream, word) {
                 return;
             }
         }
@@ -141,7 +185,7 @@ impl Block<'_> {
         pool.free_block(
             self.ptr,
             Meta::kind(w),
-            self.size as u64,
+            self.requested(w).0,
             self.stream,
             &extra,
         );
@@ -153,7 +197,7 @@ impl fmt::Debug for Block<'_> {
         f.debug_struct("Block")
             .field("device", &self.stream.device())
             .field("ptr", &self.ptr)
-            .field("size", &self.size)
+            .field("size", &self.size())
             .field("stream", &self.stream.handle())
             .finish()
     }

@@ -50,8 +50,7 @@ const WAYS: usize = 4;
 
 /// One class's slots, with their device addresses and size words.
 /// Invariant: `words[i]` is the size word of `slots[i]` in the slabs of
-/// the magazine's pool (every push takes it from that pool), or
-/// [`SizeWord::NONE`] (a typed block's free, which has no word at hand).
+/// the magazine's pool (every push takes it from that pool).
 #[derive(Debug, Clone, Copy)]
 struct Rack {
     len: usize,
@@ -69,6 +68,15 @@ impl Rack {
         self.len = n;
         let i = n & (CAP - 1);
         Some((self.slots[i], self.addrs[i], self.words[i]))
+    }
+
+    /// Drops the `n <= len` oldest entries (the rest move down, every
+    /// array alike).
+    fn drop_oldest(&mut self, n: usize) {
+        self.slots.copy_within(n..self.len, 0);
+        self.addrs.copy_within(n..self.len, 0);
+        self.words.copy_within(n..self.len, 0);
+        self.len -= n;
     }
 
     /// Pushes into a rack that is not full.
@@ -140,9 +148,7 @@ impl Magazine {
         let n = n.min(r.len);
         pool.slabs
             .push_dirty_many(class, self.slot as usize, &r.slots[..n]);
-        r.slots.copy_within(n..r.len, 0);
-        r.addrs.copy_within(n..r.len, 0);
-        r.len -= n;
+        r.drop_oldest(n);
         pool.counters
             .on_magazine(-((n as u64 * pool.slabs.classes.size_of(class)) as i64));
     }
@@ -217,7 +223,7 @@ pub(crate) fn alloc_front(
 /// The fast lane of a free: keeps the slot in the front magazine if it is
 /// `stream`'s and has room, counted as a free; `false` if the caller must
 /// take the general path. `word` is the slot's size word in the slabs of
-/// `stream`'s pool, or none (the rack's invariant).
+/// `stream`'s pool (the rack's invariant).
 #[inline(always)]
 pub(crate) fn free_front(
     stream: &Stream,
@@ -296,7 +302,7 @@ pub(crate) fn put(stream: &Stream, class: usize, idx: u32, addr: u64) -> bool {
         if mag.racks[class].len == CAP {
             mag.spill(pool, class, CAP / 2);
         }
-        mag.racks[class].push(idx, addr, SizeWord::NONE);
+        mag.racks[class].push(idx, addr, pool.slabs.size_word(idx));
         // The caller counts it in with the free
         // (`Counters::on_free_to`).
         (true, evicted)

@@ -413,11 +413,11 @@ impl DevicePool {
     /// stream-ordered, when dropped.
     #[inline]
     pub fn alloc<'a>(&'a self, size: usize, stream: &'a Stream) -> Result<Block<'a>> {
-        let (ptr, kind) = match self.shared.alloc_front(size as u64, stream, false) {
-            Some(got) => got,
-            None => self.shared.alloc(size as u64, stream, false)?,
-        };
-        Ok(Block::new(stream, ptr, size, kind))
+        if let Some((ptr, idx, class, word)) = self.shared.alloc_front(size as u64, stream, false) {
+            return Ok(Block::small(stream, ptr, idx, class, word));
+        }
+        let (ptr, kind) = self.shared.alloc(size as u64, stream, false)?;
+        Ok(self.shared.block(stream, ptr, size, kind))
     }
 
     /// Allocates for a caller that keeps only the pointer (FFI style);
@@ -425,7 +425,7 @@ impl DevicePool {
     #[inline]
     pub fn alloc_raw(&self, size: usize, stream: &Stream) -> Result<DevicePtr> {
         match self.shared.alloc_front(size as u64, stream, true) {
-            Some((ptr, _)) => Ok(ptr),
+            Some((ptr, ..)) => Ok(ptr),
             None => Ok(self.shared.alloc(size as u64, stream, true)?.0),
         }
     }
@@ -602,8 +602,15 @@ impl PoolShared {
     /// The fast lane of an allocation: a small slot from this thread's
     /// front magazine (`magazine.rs`), counted; `None` sends the caller to
     /// [`PoolShared::alloc`], which also makes every check's error.
+    /// Returns the pointer, the slot and its class, and the slot's size
+    /// word.
     #[inline(always)]
-    fn alloc_front(&self, size: u64, stream: &Stream, raw: bool) -> Option<(DevicePtr, Kind)> {
+    fn alloc_front(
+        &self,
+        size: u64,
+        stream: &Stream,
+        raw: bool,
+    ) -> Option<(DevicePtr, u32, u16, SizeWord)> {
         let class = self.slabs.classes.class_of(size)?;
         if self.flags.any()
             || !std::ptr::eq(stream.pool_ptr(), self)
@@ -612,21 +619,28 @@ impl PoolShared {
             return None;
         }
         let (idx, addr, word) = magazine::alloc_front(stream, class, size)?;
-        if word.is_none() {
-            self.slabs.note_alloc(idx, size, raw);
-        } else {
-            // SAFETY: the slot came from the front magazine of `stream`,
-            // whose pool is this one (checked above): its rack keeps the
-            // slot's size word in this pool's slabs.
-            unsafe { self.slabs.note_alloc_at(word, size, raw) };
+        // SAFETY: the slot came from the front magazine of `stream`, whose
+        // pool is this one (checked above): its rack keeps the slot's size
+        // word in this pool's slabs.
+        unsafe { self.slabs.note_alloc_at(word, size, raw) };
+        Some((DevicePtr(addr), idx, class as u16, word))
+    }
+
+    /// A typed block for what [`PoolShared::alloc`] (or a tagged
+    /// allocation) returned: a small one carries its slot's size word.
+    pub(crate) fn block<'a>(
+        &self,
+        stream: &'a Stream,
+        ptr: DevicePtr,
+        size: usize,
+        kind: Kind,
+    ) -> Block<'a> {
+        match kind {
+            Kind::Small { idx, class } => {
+                Block::small(stream, ptr, idx, class, self.slabs.size_word(idx))
+            }
+            Kind::Large { .. } => Block::new(stream, ptr, size, kind),
         }
-        Some((
-            DevicePtr(addr),
-            Kind::Small {
-                idx,
-                class: class as u16,
-            },
-        ))
     }
 
     fn alloc(&self, size: u64, stream: &Stream, raw: bool) -> Result<(DevicePtr, Kind)> {
@@ -975,9 +989,7 @@ impl PoolShared {
         if self.flags.recording() {
             return false;
         }
-        // Without a word, none is looked up here: the allocation that
-        // takes the slot back does (a typed pair makes one lookup either way).
-        let word = word.unwrap_or(SizeWord::NONE);
+        let word = word.unwrap_or_else(|| self.slabs.size_word(idx));
         magazine::free_front(stream, class, idx, ptr.addr(), requested, word)
     }
 

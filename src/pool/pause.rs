@@ -160,7 +160,7 @@ impl DevicePool {
         tag: u64,
     ) -> Result<Block<'a>> {
         let (ptr, kind) = self.shared.alloc_tagged(size as u64, stream, false, tag)?;
-        Ok(Block::new(stream, ptr, size, kind))
+        Ok(self.shared.block(stream, ptr, size, kind))
     }
 
     /// [`DevicePool::alloc_tagged`] for a caller that keeps only the

@@ -28,6 +28,9 @@ pub const ALIGN: u64 = 256;
 #[derive(Debug, Clone)]
 pub struct SizeClasses {
     sizes: Vec<u64>,
+    /// `sizes` in a table of 256 (there are fewer than 255 classes), so
+    /// the fast lane's lookup masks the class instead of checking bounds.
+    table: Box<[u64; 256]>,
     /// Class index by `(size - 1) / ALIGN`: the fast path's lookup is one load.
     lut: Vec<u8>,
 }
@@ -55,7 +58,9 @@ impl SizeClasses {
             }
             lut.push(c as u8);
         }
-        SizeClasses { sizes, lut }
+        let mut table = Box::new([0u64; 256]);
+        table[..sizes.len()].copy_from_slice(&sizes);
+        SizeClasses { sizes, table, lut }
     }
 
     /// The largest size served by a class.
@@ -90,7 +95,9 @@ impl SizeClasses {
     /// Slot size of class `c`.
     #[inline]
     pub fn size_of(&self, c: usize) -> u64 {
-        self.sizes[c]
+        debug_assert!(c < self.sizes.len());
+        // The mask is the identity on classes (fewer than 255).
+        self.table[c & 0xff]
     }
 
     /// All slot sizes, smallest first.
