@@ -628,6 +628,7 @@ impl PoolShared {
 
     /// A typed block for what [`PoolShared::alloc`] (or a tagged
     /// allocation) returned: a small one carries its slot's size word.
+    #[inline]
     pub(crate) fn block<'a>(
         &self,
         stream: &'a Stream,
