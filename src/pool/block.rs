@@ -86,10 +86,15 @@ impl<'a> Block<'a> {
         }
     }
 
-    /// A slab slot of `stream`'s pool, with its size word (in that pool's
-    /// slabs, holding the requested size).
+    /// A slab slot of `stream`'s pool, with its size word, which holds
+    /// the requested size.
+    ///
+    /// # Safety
+    ///
+    /// `word` is slot `idx`'s size word in the slabs of `stream`'s pool
+    /// ([`Block::size`] and the free read it).
     #[inline(always)]
-    pub(crate) fn small(
+    pub(crate) unsafe fn small(
         stream: &'a Stream,
         ptr: DevicePtr,
         idx: u32,
@@ -113,7 +118,7 @@ impl<'a> Block<'a> {
         }
         let w = SizeWord::from_bits(self.size);
         // SAFETY: the word is in the slabs of this block's pool (`small`'s
-        // contract), which the block's stream keeps alive.
+        // contract), which the block's stream keeps alive (its `Arc`).
         (unsafe { w.requested() }, Some(w))
     }
 

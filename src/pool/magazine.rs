@@ -17,8 +17,9 @@
 //! The fast lane ([`alloc_front`], [`free_front`]) serves the common case,
 //! a pair on the stream this thread last freed on, from the front
 //! magazine alone: one thread-local access (the state of
-//! `thread_state.rs`), the slot's address kept beside its index (no slab
-//! header read), and the counts made in the shard id the magazine cached.
+//! `thread_state.rs`), the slot's address and size word kept beside its
+//! index (no slab lookup: see `small::SizeWord`), and the counts made in
+//! the shard id the magazine cached.
 //! Anything else (another way, a full or empty rack, a first use) takes
 //! [`take`] or [`put`], which rotate and create magazines.
 //!

@@ -414,7 +414,10 @@ impl DevicePool {
     #[inline]
     pub fn alloc<'a>(&'a self, size: usize, stream: &'a Stream) -> Result<Block<'a>> {
         if let Some((ptr, idx, class, word)) = self.shared.alloc_front(size as u64, stream, false) {
-            return Ok(Block::small(stream, ptr, idx, class, word));
+            // SAFETY: the fast lane serves only a stream of this pool, and
+            // the word is the slot's in this pool's slabs (the rack's
+            // invariant).
+            return Ok(unsafe { Block::small(stream, ptr, idx, class, word) });
         }
         let (ptr, kind) = self.shared.alloc(size as u64, stream, false)?;
         Ok(self.shared.block(stream, ptr, size, kind))
@@ -627,7 +630,8 @@ impl PoolShared {
     }
 
     /// A typed block for what [`PoolShared::alloc`] (or a tagged
-    /// allocation) returned: a small one carries its slot's size word.
+    /// allocation) returned on `stream`, a stream of this pool: a small
+    /// one carries its slot's size word.
     #[inline]
     pub(crate) fn block<'a>(
         &self,
@@ -636,10 +640,17 @@ impl PoolShared {
         size: usize,
         kind: Kind,
     ) -> Block<'a> {
+        // The allocation checked it; the block's safety rests on it.
+        assert!(
+            std::ptr::eq(stream.pool_ptr(), self),
+            "a stream of this pool"
+        );
         match kind {
-            Kind::Small { idx, class } => {
+            // SAFETY: the word is looked up in this pool's slabs, and
+            // `stream` is of this pool (asserted above).
+            Kind::Small { idx, class } => unsafe {
                 Block::small(stream, ptr, idx, class, self.slabs.size_word(idx))
-            }
+            },
             Kind::Large { .. } => Block::new(stream, ptr, size, kind),
         }
     }
