@@ -622,6 +622,9 @@ impl PoolShared {
             return None;
         }
         let (idx, addr, word) = magazine::alloc_front(stream, class, size)?;
+        // The rack's invariant, checked in debug builds (a word that
+        // strayed to another slot would write that slot's size).
+        debug_assert_eq!(word, self.slabs.size_word(idx));
         // SAFETY: the slot came from the front magazine of `stream`, whose
         // pool is this one (checked above): its rack keeps the slot's size
         // word in this pool's slabs.

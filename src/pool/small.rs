@@ -114,7 +114,7 @@ pub(crate) enum RawMiss {
 /// finds it anyway (to clear the live bit). So the fast lane's pair makes
 /// no slab lookup on a typed block and one on a raw pointer (each was 20
 /// instructions).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct SizeWord(*const AtomicU32);
 
 impl SizeWord {
