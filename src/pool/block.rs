@@ -165,7 +165,9 @@ impl Drop for Block<'_> {
             let Kind::Small { idx, class } = Meta::kind(w) else {
                 unreachable!("the small bit is set");
             };
-            let (requested, word) = self.requested(w);
+            let (requested, Some(word)) = self.requested(w) else {
+                unreachable!("a small block has a size word");
+            };
             if pool.free_small_front(self.ptr, idx, class, requested, self.stream, word) {
                 return;
             }

@@ -987,8 +987,7 @@ impl PoolShared {
     /// thread's front magazine if it is `stream`'s and has room (such a
     /// free is never deferred by a capture: see `defer_free`); `false` if
     /// the caller must call [`PoolShared::free_block`]. `stream` is of
-    /// this pool; `word` is the slot's size word if the caller has it (a
-    /// raw free does).
+    /// this pool; `word` is the slot's size word in this pool's slabs.
     #[inline(always)]
     pub(crate) fn free_small_front(
         &self,
@@ -997,14 +996,13 @@ impl PoolShared {
         class: u16,
         requested: u64,
         stream: &Stream,
-        word: Option<SizeWord>,
+        word: SizeWord,
     ) -> bool {
         debug_assert!(std::ptr::eq(stream.pool_ptr(), self));
         let class = class as usize;
         if self.flags.recording() {
             return false;
         }
-        let word = word.unwrap_or_else(|| self.slabs.size_word(idx));
         magazine::free_front(stream, class, idx, ptr.addr(), requested, word)
     }
 

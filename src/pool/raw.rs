@@ -29,14 +29,7 @@ impl PoolShared {
         // Only once the free is valid: a bad one changes nothing.
         let extra = self.take_recorded_streams(ptr.addr());
         if !(extra.is_empty()
-            && self.free_small_front(
-                ptr,
-                slot.idx,
-                slot.class as u16,
-                requested,
-                stream,
-                Some(word),
-            ))
+            && self.free_small_front(ptr, slot.idx, slot.class as u16, requested, stream, word))
         {
             let kind = Kind::Small {
                 idx: slot.idx,

@@ -27,10 +27,12 @@ pub const ALIGN: u64 = 256;
 /// The class table for one pool.
 #[derive(Debug, Clone)]
 pub struct SizeClasses {
-    sizes: Vec<u64>,
-    /// `sizes` in a table of 256 (there are fewer than 255 classes), so
-    /// the fast lane's lookup masks the class instead of checking bounds.
+    /// Slot sizes, smallest first, in a table of 256 (there are fewer than
+    /// 255 classes), so the fast lane's lookup masks the class instead of
+    /// checking bounds.
     table: Box<[u64; 256]>,
+    /// Number of classes.
+    len: usize,
     /// Class index by `(size - 1) / ALIGN`: the fast path's lookup is one load.
     lut: Vec<u8>,
 }
@@ -60,25 +62,29 @@ impl SizeClasses {
         }
         let mut table = Box::new([0u64; 256]);
         table[..sizes.len()].copy_from_slice(&sizes);
-        SizeClasses { sizes, table, lut }
+        SizeClasses {
+            table,
+            len: sizes.len(),
+            lut,
+        }
     }
 
     /// The largest size served by a class.
     #[inline]
     pub fn small_max(&self) -> u64 {
-        *self.sizes.last().expect("non-empty")
+        self.table[self.len - 1]
     }
 
     /// Number of classes.
     #[inline]
     pub fn len(&self) -> usize {
-        self.sizes.len()
+        self.len
     }
 
     /// Whether there are no classes (never: at least one exists).
     #[inline]
     pub fn is_empty(&self) -> bool {
-        self.sizes.is_empty()
+        self.len == 0
     }
 
     /// The class of a request of `size` bytes (1..=small_max).
@@ -95,14 +101,14 @@ impl SizeClasses {
     /// Slot size of class `c`.
     #[inline]
     pub fn size_of(&self, c: usize) -> u64 {
-        debug_assert!(c < self.sizes.len());
+        debug_assert!(c < self.len);
         // The mask is the identity on classes (fewer than 255).
         self.table[c & 0xff]
     }
 
     /// All slot sizes, smallest first.
     pub fn sizes(&self) -> &[u64] {
-        &self.sizes
+        &self.table[..self.len]
     }
 }
 
