@@ -338,6 +338,36 @@ fn an_event_completes_only_after_earlier_work() {
 }
 
 #[test]
+fn a_stream_is_idle_only_once_its_work_completed() {
+    for b in backends() {
+        let s = b.create_stream(0).unwrap();
+        let other = b.create_stream(0).unwrap();
+        assert!(
+            b.query_stream(0, s).unwrap(),
+            "{}: a new stream is idle",
+            b.name()
+        );
+        let scratch = slow_work(&b, s);
+        assert!(
+            !b.query_stream(0, s).unwrap(),
+            "{}: idle before its work ran",
+            b.name()
+        );
+        // Work on one stream does not make another busy.
+        assert!(b.query_stream(0, other).unwrap(), "{}", b.name());
+        b.sync_stream(0, s).unwrap();
+        assert!(b.query_stream(0, s).unwrap(), "{}", b.name());
+        release_slow(&b, s, scratch);
+        b.destroy_stream(0, other).unwrap();
+        b.destroy_stream(0, s).unwrap();
+        // A destroyed stream is an error, not an idle one.
+        if as_sim(&b).is_some() {
+            assert!(b.query_stream(0, s).is_err());
+        }
+    }
+}
+
+#[test]
 fn re_recording_replaces_the_earlier_capture() {
     for b in backends() {
         let (s1, s2) = (b.create_stream(0).unwrap(), b.create_stream(0).unwrap());

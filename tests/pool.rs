@@ -1261,9 +1261,122 @@ fn a_new_slab_takes_other_streams_freed_memory_before_growing() {
         reserved,
         "a slab grew the device beside s1's freed memory"
     );
-    assert!(records.count() >= 1, "s1's memory came behind its event");
+    // s1 is idle: its memory came clean after a query of s1, with no
+    // event (an event on s1 would also order it, were s1 busy).
+    assert!(
+        records.count() >= 1 || driver_calls(dev, gpupool::backend::Call::StreamQuery) >= 1,
+        "s1's memory came neither behind its event nor after a query"
+    );
     dev.audit().unwrap();
     drop(small);
+    dev.audit().unwrap();
+}
+
+fn driver_calls(pool: &DevicePool, call: gpupool::backend::Call) -> u64 {
+    pool.backend().counters().get(call)
+}
+
+/// Memory freed on a stream that has run all its work is clean for any
+/// stream: another stream's request takes it after one query of that
+/// stream, with no event recorded and no wait, and the device does not
+/// grow beside it.
+#[test]
+fn an_idle_streams_freed_memory_serves_another_stream_without_an_event() {
+    use gpupool::backend::Call;
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let a = dev.alloc((64 * MIB) as usize, &s1).unwrap();
+    let at = a.ptr();
+    drop(a);
+    let reserved = dev.stats().reserved_bytes.current;
+    let (records, waits, queries) = (
+        driver_calls(dev, Call::EventRecord),
+        driver_calls(dev, Call::StreamWaitEvent),
+        driver_calls(dev, Call::StreamQuery),
+    );
+    let b = dev.alloc((64 * MIB) as usize, &s2).unwrap();
+    assert_eq!(b.ptr(), at, "s1's freed range was not reused");
+    assert_eq!(dev.stats().reserved_bytes.current, reserved, "grew");
+    assert_eq!(driver_calls(dev, Call::EventRecord), records, "an event");
+    assert_eq!(driver_calls(dev, Call::StreamWaitEvent), waits, "a wait");
+    assert!(
+        driver_calls(dev, Call::StreamQuery) > queries,
+        "s1 not asked"
+    );
+    dev.audit().unwrap();
+    drop(b);
+    dev.audit().unwrap();
+}
+
+/// A stream still running work keeps what it freed: another stream's
+/// request does not get that memory without being ordered after the
+/// work (the late write below lands before the new owner's pattern).
+#[test]
+fn a_busy_streams_freed_memory_is_not_cleaned_by_a_query() {
+    use gpupool::backend::Call;
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let sim = sim_of(dev);
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let len = 64 * MIB;
+    let a = dev.alloc(len as usize, &s1).unwrap();
+    let at = a.ptr();
+    let busy = Busy::hold(sim, &s1);
+    // A late use of `a` on s1, behind the stall.
+    sim.launch_write_pattern(0, s1.handle(), at, len, 7, Duration::ZERO)
+        .unwrap();
+    drop(a);
+    let (waits, queries) = (
+        driver_calls(dev, Call::StreamWaitEvent),
+        driver_calls(dev, Call::StreamQuery),
+    );
+    let b = dev.alloc(len as usize, &s2).unwrap();
+    assert!(
+        driver_calls(dev, Call::StreamQuery) > queries,
+        "s1 not asked"
+    );
+    assert!(
+        b.ptr() != at || driver_calls(dev, Call::StreamWaitEvent) > waits,
+        "s2 got s1's range with no order after s1's work"
+    );
+    sim.launch_write_pattern(0, s2.handle(), b.ptr(), len, 8, Duration::ZERO)
+        .unwrap();
+    busy.release();
+    let r = sim
+        .launch_verify_pattern(0, s2.handle(), b.ptr(), len, 8, Duration::ZERO)
+        .unwrap();
+    assert_eq!(r.wait(), 0, "s1's late write landed on s2's block");
+    drop(b);
+    dev.audit().unwrap();
+}
+
+/// A stream query that fails counts as a busy stream: the memory stays
+/// its stream's and the request is served the other way (a flush, with
+/// an event), with nothing lost and the heap consistent.
+#[test]
+fn a_failed_stream_query_leaves_the_memory_dirty() {
+    use gpupool::backend::Call;
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let sim = sim_of(dev);
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let a = dev.alloc((64 * MIB) as usize, &s1).unwrap();
+    drop(a);
+    let queries = driver_calls(dev, Call::StreamQuery);
+    let records = RecordsSince::now(dev);
+    sim.fail_next_event_ops(0, 1).unwrap();
+    let b = dev.alloc((64 * MIB) as usize, &s2).unwrap();
+    assert_eq!(driver_calls(dev, Call::StreamQuery), queries + 1);
+    assert!(records.count() >= 1, "served without s1's event");
+    sim.launch_write_pattern(0, s2.handle(), b.ptr(), 64 * MIB, 3, Duration::ZERO)
+        .unwrap();
+    let r = sim
+        .launch_verify_pattern(0, s2.handle(), b.ptr(), 64 * MIB, 3, Duration::ZERO)
+        .unwrap();
+    assert_eq!(r.wait(), 0);
+    dev.audit().unwrap();
+    drop(b);
     dev.audit().unwrap();
 }
 

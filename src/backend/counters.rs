@@ -76,6 +76,7 @@ calls! {
     MemExport => "cuMemExportToShareableHandle",
     MemImport => "cuMemImportFromShareableHandle",
     StreamIsCapturing => "cuStreamIsCapturing",
+    StreamQuery => "cuStreamQuery",
 }
 
 /// What a call's units measure, for calls whose cost grows with their size.

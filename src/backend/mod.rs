@@ -226,6 +226,15 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         Ok(false)
     }
 
+    /// Whether every operation enqueued on `stream` so far has completed
+    /// (`cuStreamQuery`, non-blocking). Illegal during a capture of any
+    /// stream of the device, like an event query: callers check first.
+    /// The default: never known idle, which costs only missed reuse.
+    fn query_stream(&self, dev: usize, stream: StreamHandle) -> Result<bool> {
+        let _ = (dev, stream);
+        Ok(false)
+    }
+
     // ---- work -------------------------------------------------------------
 
     /// Enqueues a batch of moves on `stream`, run in order as one operation

@@ -525,6 +525,58 @@ impl PoolShared {
         true
     }
 
+    /// Makes the dirty large ranges of idle streams (every operation
+    /// enqueued on them so far has completed, `cuStreamQuery`) clean for
+    /// every stream, other than `except`'s: no event, no wait, no pending
+    /// group (`cudaMallocAsync`'s opportunistic reuse, found by asking the
+    /// stream). Two cheap driver calls per stream with dirty memory, made
+    /// outside the heap lock: a capture check first (a query would
+    /// invalidate a capture), then the query. Only ranges that were dirty
+    /// before the query are cleaned: a slot whose count moved on between
+    /// the two heap visits is left as it is. Returns whether any memory
+    /// became clean.
+    pub(super) fn clean_idle_streams(&self, except: Option<u16>) -> bool {
+        if self.capture.underway() {
+            return false;
+        }
+        let dirty = self.heap.lock().heap.dirty_slots(except);
+        if dirty.is_empty() {
+            return false;
+        }
+        // Held until their ranges are settled: a held stream keeps its
+        // slot, so its ranges stay its own (and its handle valid).
+        let mut idle = Vec::new();
+        for (slot, gen) in dirty {
+            // (A dead stream's handle may be gone: never asked about.)
+            let Some(s) = self.streams.get(slot).filter(|s| !s.core().is_dead()) else {
+                continue;
+            };
+            // The query inside the capture handshake: a capture that
+            // begins meanwhile sees it in flight, or it sees the capture.
+            let (dev, h) = (self.dev, s.handle());
+            let quiet = matches!(self.backend.stream_capturing(dev, h), Ok(false))
+                && matches!(
+                    self.outside_capture(|| self.backend.query_stream(dev, h)),
+                    Some(Ok(true))
+                );
+            if quiet {
+                idle.push((slot, gen, s));
+            }
+        }
+        if idle.is_empty() {
+            return false;
+        }
+        let cleaned: u64 = {
+            let mut h = self.heap.lock();
+            idle.iter()
+                .map(|&(slot, gen, _)| h.heap.clean_dirty_if(slot, gen))
+                .sum()
+        };
+        // (The streams are dropped here, outside every lock.)
+        drop(idle);
+        cleaned > 0
+    }
+
     /// Makes free memory reusable across streams and classes: flushes every
     /// stream's dirty memory (the requester gets its own back by handover),
     /// harvests, and retires empty slabs.

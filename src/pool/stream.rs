@@ -197,6 +197,16 @@ impl StreamRegistry {
             .collect()
     }
 
+    /// The live stream in `slot`, held strongly (drop it outside any pool
+    /// lock, as [`StreamRegistry::live`]'s list); `None` if the slot is
+    /// free or its stream retiring.
+    pub(crate) fn get(&self, slot: u16) -> Option<Stream> {
+        match self.slots.lock().get(slot as usize)? {
+            SlotState::Taken(w) => w.upgrade().map(|inner| Stream { inner }),
+            SlotState::Free => None,
+        }
+    }
+
     /// Whether a stream is retiring: its slot is still taken, but its last
     /// reference is gone, and what it freed is flushed only when its
     /// retirement releases the slot (after the flush, under this lock).

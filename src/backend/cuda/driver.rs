@@ -70,6 +70,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemExportToShareableHandle",
     "cuMemImportFromShareableHandle",
     "cuStreamIsCapturing",
+    "cuStreamQuery",
     "cuThreadExchangeStreamCaptureMode",
 ];
 

@@ -306,6 +306,10 @@ impl Backend for CudaBackend {
         streams::stream_capturing(self, dev, stream)
     }
 
+    fn query_stream(&self, dev: usize, stream: StreamHandle) -> Result<bool> {
+        streams::query_stream(self, dev, stream)
+    }
+
     /// One launch of the compaction kernel per conflict-free group of
     /// moves (see [`kernel`]), or, where the kernel cannot be loaded, one
     /// `cuMemcpyDtoDAsync` per move (more for a move that overlaps itself),

@@ -140,6 +140,20 @@ pub(super) fn sync_stream(be: &CudaBackend, dev: usize, stream: StreamHandle) ->
     })
 }
 
+/// `cuStreamQuery`: whether all work enqueued on `stream` completed.
+pub(super) fn query_stream(be: &CudaBackend, dev: usize, stream: StreamHandle) -> Result<bool> {
+    let _cx = be.enter(dev)?;
+    be.counters.count(Call::StreamQuery);
+    // SAFETY: an opaque handle (null: the legacy default stream),
+    // validated by the driver.
+    let r = unsafe { sys::cuStreamQuery(stream_of(stream)) };
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        other => Err(Error::backend("cuStreamQuery", error_name(other))),
+    }
+}
+
 /// `cuStreamIsCapturing`: whether `stream` captures a graph (an
 /// invalidated capture counts: it still has to end).
 pub(super) fn stream_capturing(be: &CudaBackend, dev: usize, stream: StreamHandle) -> Result<bool> {

@@ -91,6 +91,8 @@ pub(super) enum Checked<'a> {
     QueryEvent(EventHandle),
     /// A stream synchronization.
     SyncStream,
+    /// A stream query.
+    QueryStream(&'a Arc<SimStream>),
     /// A stream waiting on an event, or work enqueued on a stream.
     OnStream(&'a Arc<SimStream>),
     /// Memory given back.
@@ -117,6 +119,11 @@ impl SimBackend {
             }
             Checked::QueryEvent(e) => {
                 if cap.any() || cap.is_captured_event(e) {
+                    cap.violation(dev, call);
+                }
+            }
+            Checked::QueryStream(st) => {
+                if cap.any() || cap.capturing(st) {
                     cap.violation(dev, call);
                 }
             }

@@ -994,6 +994,14 @@ impl Backend for SimBackend {
         self.capturing_now(dev, stream)
     }
 
+    fn query_stream(&self, dev: usize, stream: StreamHandle) -> Result<bool> {
+        self.counters.count(Call::StreamQuery);
+        let st = self.stream(dev, stream)?;
+        self.capture_check(dev, "cuStreamQuery", Checked::QueryStream(&st));
+        self.event_fault(dev)?;
+        st.is_idle()
+    }
+
     fn counters(&self) -> BackendCounters {
         self.counters.snapshot()
     }

@@ -242,6 +242,13 @@ impl SimStream {
         Ok(true)
     }
 
+    /// Whether everything queued on the stream has run (`cuStreamQuery`):
+    /// the worker lowers `in_flight` only after an operation has run.
+    pub(crate) fn is_idle(&self) -> Result<bool> {
+        self.check_open()?;
+        Ok(self.in_flight.load(Acquire) == 0)
+    }
+
     /// An error if the stream was destroyed.
     pub(crate) fn check_open(&self) -> Result<()> {
         if self.tx.lock().is_some() {
@@ -274,13 +281,28 @@ pub(crate) fn run_worker(
     in_flight: Arc<AtomicUsize>,
 ) {
     while let Ok(op) = rx.recv() {
-        execute(device, op, &*exec);
+        let done = run(device, op, &*exec);
+        // The stream is idle before an event recorded last on it reads
+        // complete: once a host sync on the event (or the stream) returns,
+        // a query finds the stream idle, as on a device. (A record queued
+        // meanwhile completes inline, after everything before it has run.)
         in_flight.fetch_sub(1, Release);
+        if let Some((ev, seq)) = done {
+            ev.complete(seq);
+        }
     }
 }
 
-/// Runs one operation (on a stream's worker, or inline in synchronous mode).
+/// Runs one operation (inline, in synchronous mode).
 pub(crate) fn execute(device: usize, op: Op, exec: &dyn Executor) {
+    if let Some((ev, seq)) = run(device, op, exec) {
+        ev.complete(seq);
+    }
+}
+
+/// Runs one operation but the completion of the event it records, which
+/// it returns.
+fn run(device: usize, op: Op, exec: &dyn Executor) -> Option<(Arc<SimEvent>, u64)> {
     let d = exec.op_delay(device);
     if !d.is_zero() {
         std::thread::sleep(d);
@@ -292,7 +314,7 @@ pub(crate) fn execute(device: usize, op: Op, exec: &dyn Executor) {
             if !d.is_zero() {
                 std::thread::sleep(d);
             }
-            ev.complete(seq);
+            return Some((ev, seq));
         }
         Op::Wait(ev, seq) => ev.wait_for(seq),
         Op::Moves(m) => exec.run_moves(device, &m),
@@ -308,8 +330,9 @@ pub(crate) fn execute(device: usize, op: Op, exec: &dyn Executor) {
             }
             exec.run_kernel(device, ptr, len, &op);
         }
-        Op::Marker(ev, seq) => ev.complete(seq),
+        Op::Marker(ev, seq) => return Some((ev, seq)),
     }
+    None
 }
 
 /// The pattern word of `seed` at word `w` (splitmix64 of the pair), so

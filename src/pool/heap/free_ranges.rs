@@ -131,6 +131,9 @@ impl Heap {
         if len == 0 {
             return;
         }
+        if let Tag::Dirty(s) = tag {
+            self.note_dirty(s);
+        }
         // Each neighbour is looked up once and removed or lengthened where
         // it was found (a lookup and then a change made two searches).
         let phys = &self.phys;

@@ -156,6 +156,10 @@ pub(crate) struct Heap {
     reserved: u64,
     allocated_bytes: u64,
     next_pending: u32,
+    /// Per stream slot, a count raised whenever free memory joins
+    /// `Dirty(slot)` (`insert_free`): unchanged between two reads, no
+    /// range joined in between (see [`Heap::clean_dirty_if`]).
+    dirty_gen: Vec<u64>,
     /// Granules quarantined since the last `take_quarantine`, as runs.
     fresh_quarantine: GranuleRuns,
     /// Quarantined old mappings per chunk. The driver frees a chunk's
@@ -248,6 +252,7 @@ impl Heap {
             reserved: 0,
             allocated_bytes: 0,
             next_pending: 0,
+            dirty_gen: Vec::new(),
             fresh_quarantine: Vec::new(),
             aliases: FxHashMap::default(),
             deferred: FxHashSet::default(),
@@ -722,6 +727,53 @@ impl Heap {
         }
         self.by_tag.insert(Tag::Pending(id), set);
         Some((id, bytes))
+    }
+
+    /// The stream slots other than `except` with dirty free memory, each
+    /// with its [`Heap::dirty_gen`] count now.
+    pub(crate) fn dirty_slots(&self, except: Option<u16>) -> Vec<(u16, u64)> {
+        self.by_tag
+            .iter()
+            .filter_map(|(t, set)| match *t {
+                Tag::Dirty(s) if Some(s) != except && !set.is_empty() => Some(s),
+                _ => None,
+            })
+            .map(|s| (s, self.dirty_gen(s)))
+            .collect()
+    }
+
+    /// How many times free memory joined `Dirty(slot)`.
+    pub(crate) fn dirty_gen(&self, slot: u16) -> u64 {
+        self.dirty_gen.get(slot as usize).copied().unwrap_or(0)
+    }
+
+    /// Notes that free memory joined `Dirty(slot)`.
+    #[inline]
+    pub(super) fn note_dirty(&mut self, slot: u16) {
+        let i = slot as usize;
+        if i >= self.dirty_gen.len() {
+            self.dirty_gen.resize(i + 1, 0);
+        }
+        self.dirty_gen[i] += 1;
+    }
+
+    /// Makes every `Dirty(slot)` range clean (merged with its clean
+    /// neighbours) if none joined since `gen` was read: the caller found
+    /// the slot's stream idle after that read, so every use of those
+    /// ranges (and every wait the stream made for aliased memory in them)
+    /// has completed. Returns the bytes cleaned (0: the count moved on,
+    /// or nothing was dirty).
+    pub(crate) fn clean_dirty_if(&mut self, slot: u16, gen: u64) -> u64 {
+        if self.dirty_gen(slot) != gen {
+            return 0;
+        }
+        match self.flush_dirty(slot) {
+            Some((id, bytes)) => {
+                self.complete_pending(id);
+                bytes
+            }
+            None => 0,
+        }
     }
 
     /// A new, empty pending group id (for ranges freed with `record_stream`).
