@@ -222,7 +222,7 @@ impl CostTable {
     /// CUDA 13), 2026-12-04, by `gpupool bench --gpu --calibrate`
     /// (`src/backend/costs/nvidia-h200.json`; `driver_costs=h200` in
     /// `GPUPOOL_CONF`). Every kind is measured except those added to the
-    /// seam after that run ([`UNMEASURED_ON_H200`]), which keep the
+    /// seam after that run ([`CostTable::UNMEASURED_ON_H200`]), which keep the
     /// published estimate until the next calibration on a GPU.
     pub fn h200() -> CostTable {
         static H200: std::sync::OnceLock<CostTable> = std::sync::OnceLock::new();
