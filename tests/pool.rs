@@ -1365,9 +1365,11 @@ fn a_failed_stream_query_leaves_the_memory_dirty() {
     drop(a);
     let queries = driver_calls(dev, Call::StreamQuery);
     let records = RecordsSince::now(dev);
-    sim.fail_next_event_ops(0, 1).unwrap();
+    // Both queries of s1 fail: the one before taking its ranges, and the
+    // one before recording its flush's event.
+    sim.fail_next_event_ops(0, 2).unwrap();
     let b = dev.alloc((64 * MIB) as usize, &s2).unwrap();
-    assert_eq!(driver_calls(dev, Call::StreamQuery), queries + 1);
+    assert_eq!(driver_calls(dev, Call::StreamQuery), queries + 2);
     assert!(records.count() >= 1, "served without s1's event");
     sim.launch_write_pattern(0, s2.handle(), b.ptr(), 64 * MIB, 3, Duration::ZERO)
         .unwrap();
@@ -1377,6 +1379,28 @@ fn a_failed_stream_query_leaves_the_memory_dirty() {
     assert_eq!(r.wait(), 0);
     dev.audit().unwrap();
     drop(b);
+    dev.audit().unwrap();
+}
+
+/// Flushing a stream that has run all its work makes what it freed clean
+/// at once: no event, no host wait (trim of an idle pool).
+#[test]
+fn an_idle_streams_flush_needs_no_event() {
+    let rt = sim_runtime_with("thread_cache=false");
+    let dev = rt.device(0).unwrap();
+    let s1 = dev.new_stream().unwrap();
+    let small: Vec<_> = (0..4).map(|_| dev.alloc(4096, &s1).unwrap()).collect();
+    let large = dev.alloc((4 * MIB) as usize, &s1).unwrap();
+    drop(small);
+    drop(large);
+    let records = RecordsSince::now(dev);
+    let syncs = dev.stats().host_syncs;
+    dev.trim().unwrap();
+    assert_eq!(records.count(), 0, "an event for an idle stream");
+    assert_eq!(dev.stats().host_syncs, syncs, "a host wait");
+    let st = dev.stats();
+    assert_eq!(st.pending_bytes.current, 0);
+    assert_eq!(st.reserved_bytes.current, 0);
     dev.audit().unwrap();
 }
 
@@ -1403,12 +1427,16 @@ fn a_flush_covers_small_and_large_memory_with_one_event() {
     assert_eq!(st.pending_bytes.current, 0, "both records completed");
     assert_eq!(st.reserved_bytes.current, 0, "{released} B released");
     dev.audit().unwrap();
-    // The shared event went back once: two streams' frees now take two
-    // events, none of them recorded twice at once.
+    // The shared event went back once: two busy streams' frees now take
+    // two events, none of them recorded twice at once.
     let s2 = dev.new_stream().unwrap();
     let a = dev.alloc((4 * MIB) as usize, &s1).unwrap();
     let b = dev.alloc((4 * MIB) as usize, &s2).unwrap();
     let c = dev.alloc(4096, &s1).unwrap();
+    for s in [&s1, &s2] {
+        sim.stall_stream(0, s.handle(), Duration::from_millis(100))
+            .unwrap();
+    }
     drop((a, b, c));
     let records = RecordsSince::now(dev);
     dev.trim().unwrap();

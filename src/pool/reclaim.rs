@@ -434,6 +434,22 @@ impl PoolShared {
         if parts.is_empty() && group.is_none() {
             return;
         }
+        // Everything collected was freed before this query: if the stream
+        // has run all its work, it is all clean now, with no event (slots
+        // still waiting on other streams excepted: those take the record).
+        if returned.is_empty() && self.stream_idle(core) {
+            if let Some(id) = group {
+                let mut h = self.heap.lock();
+                // Unless a host sync of the stream completed it meanwhile.
+                if h.group_events.remove(&id).is_some() {
+                    h.heap.complete_pending(id);
+                }
+            }
+            for (class, idxs) in &parts {
+                self.slabs.push_clean(*class as usize, idxs);
+            }
+            return;
+        }
         let waits = self.record_events(core, &[]);
         // Shared before the group publishes it: a holder that completes
         // first must not make it idle under the other.
@@ -525,6 +541,29 @@ impl PoolShared {
         true
     }
 
+    /// Whether every operation enqueued on the stream of `core` so far has
+    /// completed (`cuStreamQuery`). Never asked of a dead stream (its
+    /// handle may be gone) nor of another thread's per-thread default
+    /// stream; first `cuStreamIsCapturing` (a query would invalidate a
+    /// capture the pool was not told of), and the query itself inside the
+    /// capture handshake: a capture that begins meanwhile sees it in
+    /// flight, or it sees the capture. An error reads as busy.
+    pub(super) fn stream_idle(&self, core: &StreamCore) -> bool {
+        if core.is_dead()
+            || core
+                .thread
+                .is_some_and(|t| t != std::thread::current().id())
+        {
+            return false;
+        }
+        let (dev, h) = (self.dev, core.handle);
+        matches!(self.backend.stream_capturing(dev, h), Ok(false))
+            && matches!(
+                self.outside_capture(|| self.backend.query_stream(dev, h)),
+                Some(Ok(true))
+            )
+    }
+
     /// Makes the dirty large ranges of idle streams (every operation
     /// enqueued on them so far has completed, `cuStreamQuery`) clean for
     /// every stream, other than `except`'s: no event, no wait, no pending
@@ -547,19 +586,10 @@ impl PoolShared {
         // slot, so its ranges stay its own (and its handle valid).
         let mut idle = Vec::new();
         for (slot, gen) in dirty {
-            // (A dead stream's handle may be gone: never asked about.)
-            let Some(s) = self.streams.get(slot).filter(|s| !s.core().is_dead()) else {
+            let Some(s) = self.streams.get(slot) else {
                 continue;
             };
-            // The query inside the capture handshake: a capture that
-            // begins meanwhile sees it in flight, or it sees the capture.
-            let (dev, h) = (self.dev, s.handle());
-            let quiet = matches!(self.backend.stream_capturing(dev, h), Ok(false))
-                && matches!(
-                    self.outside_capture(|| self.backend.query_stream(dev, h)),
-                    Some(Ok(true))
-                );
-            if quiet {
+            if self.stream_idle(s.core()) {
                 idle.push((slot, gen, s));
             }
         }

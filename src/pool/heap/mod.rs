@@ -767,13 +767,17 @@ impl Heap {
         if self.dirty_gen(slot) != gen {
             return 0;
         }
-        match self.flush_dirty(slot) {
-            Some((id, bytes)) => {
-                self.complete_pending(id);
-                bytes
-            }
-            None => 0,
+        // With every range stored (the short ones found by address).
+        let Some(set) = self.take_size_index(Tag::Dirty(slot)) else {
+            return 0;
+        };
+        // Each range merges with the clean ones around it, those of this
+        // set cleaned before it included.
+        for (_, addr) in set.iter() {
+            let r = self.by_addr.remove(addr).expect("indexed");
+            self.insert_free(addr, r.len, Tag::Clean);
         }
+        set.bytes()
     }
 
     /// A new, empty pending group id (for ranges freed with `record_stream`).
