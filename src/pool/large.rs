@@ -74,7 +74,7 @@ impl PoolShared {
             }
         }
         // Memory whose uses are complete, by any stream, before growing:
-        // other streams' idle dirty memory is flushed (one event per stream,
+        // other streams' dirty memory is flushed (one event per busy stream,
         // no wait) when it would cover the request, and completed frees are
         // harvested (queries only). Some dirty memory elsewhere is needed
         // however much is parked: with none, the flush would only make

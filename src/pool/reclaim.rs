@@ -378,9 +378,11 @@ impl PoolShared {
 
     /// Moves the memory that stream slot `slot` freed onto the pending list,
     /// with one event recorded on that stream, so that other streams can
-    /// reuse it once the event completes. Its two records (the small slots,
-    /// and the heap group) share that event (see `event_pool.rs`): both
-    /// are taken before it is recorded, so it covers both.
+    /// reuse it once the event completes; or, if the stream is idle when
+    /// asked just before the record, makes it clean at once. Its two
+    /// records (the small slots, and the heap group) share that event (see
+    /// `event_pool.rs`): both are taken before it is recorded, so it
+    /// covers both.
     pub(super) fn flush_slot(&self, slot: usize, core: &Arc<StreamCore>) {
         // The small slots first (any taken before the record is covered by
         // it). Slots still waiting on other streams (see `returning.rs`,
