@@ -771,13 +771,18 @@ impl Heap {
         let Some(set) = self.take_size_index(Tag::Dirty(slot)) else {
             return 0;
         };
-        // Each range merges with the clean ones around it, those of this
-        // set cleaned before it included.
+        self.make_clean(&set);
+        set.bytes()
+    }
+
+    /// Makes every range of `set` (taken out of its tag's index) clean,
+    /// each merged with the clean ranges around it, those of `set`
+    /// cleaned before it included.
+    fn make_clean(&mut self, set: &SizeIndex) {
         for (_, addr) in set.iter() {
             let r = self.by_addr.remove(addr).expect("indexed");
             self.insert_free(addr, r.len, Tag::Clean);
         }
-        set.bytes()
     }
 
     /// A new, empty pending group id (for ranges freed with `record_stream`).
@@ -789,12 +794,8 @@ impl Heap {
 
     /// Marks every range of pending group `id` clean (its events completed).
     pub(crate) fn complete_pending(&mut self, id: u32) {
-        let Some(set) = self.by_tag.remove(&Tag::Pending(id)) else {
-            return;
-        };
-        for (_, addr) in set.iter() {
-            let r = self.by_addr.remove(addr).expect("indexed");
-            self.insert_free(addr, r.len, Tag::Clean);
+        if let Some(set) = self.by_tag.remove(&Tag::Pending(id)) {
+            self.make_clean(&set);
         }
     }
 
