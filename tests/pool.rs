@@ -1309,6 +1309,69 @@ fn an_idle_streams_freed_memory_serves_another_stream_without_an_event() {
     dev.audit().unwrap();
 }
 
+/// At a miss, the requester's own stream is asked beside the others: what
+/// each idle stream parked goes to the heap clean, merged, so a third
+/// stream's request is served from it with no further query, event or
+/// growth.
+#[test]
+fn a_miss_makes_every_idle_streams_parked_ranges_clean_at_once() {
+    use gpupool::backend::Call;
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let (s1, s2, s3) = (
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+    );
+    let a = dev.alloc((16 * MIB) as usize, &s1).unwrap();
+    let b = dev.alloc((16 * MIB) as usize, &s2).unwrap();
+    assert_eq!(b.ptr().0, a.ptr().0 + 16 * MIB, "laid side by side");
+    drop((a, b));
+    // s2's own parked range is of another class: a miss, answered from
+    // s1's and s2's parked ranges, both idle.
+    let queries = driver_calls(dev, Call::StreamQuery);
+    let c = dev.alloc((8 * MIB) as usize, &s2).unwrap();
+    assert!(
+        driver_calls(dev, Call::StreamQuery) >= queries + 2,
+        "not both asked"
+    );
+    let reserved = dev.stats().reserved_bytes.current;
+    let (queries, records, waits) = (
+        driver_calls(dev, Call::StreamQuery),
+        driver_calls(dev, Call::EventRecord),
+        driver_calls(dev, Call::StreamWaitEvent),
+    );
+    // The other 24 MiB, s1's and s2's together, clean for s3.
+    let d = dev.alloc((24 * MIB) as usize, &s3).unwrap();
+    assert_eq!(driver_calls(dev, Call::StreamQuery), queries, "asked again");
+    assert_eq!(driver_calls(dev, Call::EventRecord), records, "an event");
+    assert_eq!(driver_calls(dev, Call::StreamWaitEvent), waits, "a wait");
+    assert_eq!(dev.stats().reserved_bytes.current, reserved, "grew");
+    dev.audit().unwrap();
+    drop((c, d));
+    dev.audit().unwrap();
+}
+
+/// A stream alone is never asked whether it is idle: what it freed is
+/// its own to reuse already, and a query would cost it a driver call at
+/// every miss for nothing.
+#[test]
+fn a_stream_alone_is_never_asked_whether_it_is_idle() {
+    use gpupool::backend::Call;
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let s = dev.new_stream().unwrap();
+    let queries = driver_calls(dev, Call::StreamQuery);
+    for mib in [4, 12, 6, 20, 3, 40] {
+        let blocks: Vec<_> = (0..3)
+            .map(|_| dev.alloc((mib * MIB) as usize, &s).unwrap())
+            .collect();
+        drop(blocks);
+    }
+    assert_eq!(driver_calls(dev, Call::StreamQuery), queries);
+    dev.audit().unwrap();
+}
+
 /// A stream still running work keeps what it freed: another stream's
 /// request does not get that memory without being ordered after the
 /// work (the late write below lands before the new owner's pattern).

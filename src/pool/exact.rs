@@ -24,7 +24,8 @@
 //! (docs/BENCHMARKS.md).
 //!
 //! Parked ranges are given to the heap (as `Dirty(slot)` free ranges, where
-//! they coalesce) whenever a request cannot be served from memory the heap
+//! they coalesce, or `Clean` ones where their stream was found idle, see
+//! `idle.rs`) whenever a request cannot be served from memory the heap
 //! already backs, before a stream is flushed, and before any reclaim, so
 //! parking never makes the pool grow or strands memory.
 
@@ -66,6 +67,9 @@ pub(crate) struct ParkedLists {
     pub(crate) count: usize,
     /// Bytes parked.
     pub(crate) bytes: u64,
+    /// Ranges ever parked (never decreases): a drain compares it with a
+    /// count read before a stream query (`stream_large.rs`).
+    pub(crate) puts: u64,
 }
 
 impl ParkedLists {
@@ -97,6 +101,7 @@ impl ParkedLists {
         self.nonempty[c / 64] |= 1 << (c % 64);
         self.count += 1;
         self.bytes += len;
+        self.puts += 1;
     }
 
     /// A parked range of `len` bytes or a little more (its class or one of

@@ -52,27 +52,27 @@ impl PoolShared {
             if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
                 return keep(&mut h, t.addr);
             }
-            // Merged with their neighbours, parked ranges often fit where
-            // none did: take that before any handover or growth.
-            if self.unpark(&mut h) {
-                if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
-                    return keep(&mut h, t.addr);
-                }
-            }
         }
         // The slow path from here on (events, growth, stitching): first,
         // is this stream capturing a graph the pool was not told about?
         self.detect_capture(stream);
-        // Other streams' freed memory, where those streams have run all
-        // their work: clean for every stream, at the cost of a query each
-        // (no event, no wait; see `clean_idle_streams`).
-        let cleaned = self.clean_idle_streams(stream.slot());
-        if cleaned {
+        // Parked ranges, merged with their neighbours, often fit where
+        // none did: every stream's to the heap before any handover or
+        // growth, clean for every stream where their streams have run all
+        // their work, as are those streams' dirty ranges (a query each, no
+        // event, no wait; see `idle.rs`).
+        let idle = self.query_idle(stream.slot(), true);
+        let cleaned = {
             let mut h = self.heap.lock();
-            if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
-                return keep(&mut h, t.addr);
+            let (unparked, cleaned) = self.unpark_reusing(&mut h, &idle);
+            if unparked || cleaned {
+                if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
+                    return keep(&mut h, t.addr);
+                }
             }
-        }
+            cleaned
+        };
+        drop(idle);
         // Memory whose uses are complete, by any stream, before growing:
         // other streams' dirty memory is flushed (one event per busy stream,
         // no wait) when it would cover the request, and completed frees are
@@ -253,8 +253,10 @@ impl PoolShared {
         if self.by_stream.nothing_parked() {
             return false;
         }
-        self.by_stream
-            .drain_sorted(|slot, ranges| h.heap.free_many(ranges, Tag::Dirty(slot)));
+        self.by_stream.drain_sorted(
+            |_, _, _| false,
+            |slot, _, ranges| h.heap.free_many(ranges, Tag::Dirty(slot)),
+        );
         true
     }
 

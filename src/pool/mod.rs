@@ -31,6 +31,7 @@ mod event_pool;
 mod exact;
 mod granule_set;
 mod heap;
+mod idle;
 mod inspect;
 mod ipc;
 mod large;

@@ -47,7 +47,10 @@ use super::LargeLive;
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicU64, AtomicUsize,
+    Ordering::{Acquire, Relaxed, Release},
+};
 
 /// A live large block: its range's length and its record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +73,9 @@ struct Shard {
     /// Live raw blocks listed, as of the last change: a lookup passes a
     /// shard with none without locking it.
     live: AtomicUsize,
+    /// Ranges ever parked here, as of the last change (published with
+    /// `Release`: a reader that sees a count sees the frees behind it).
+    puts: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -173,6 +179,7 @@ impl Shard {
         self.count.store(st.parked.count, Relaxed);
         self.bytes.store(st.parked.bytes, Relaxed);
         self.live.store(st.live.len(), Relaxed);
+        self.puts.store(st.parked.puts, Release);
     }
 }
 
@@ -369,8 +376,31 @@ impl StreamLarge {
 
     // ---- giving parked ranges back ----------------------------------------------------
 
+    /// The slots with ranges parked, each with its
+    /// shards' park counts (`Acquire`: every range parked up to a count
+    /// was freed before it was read), for [`StreamLarge::drain_sorted`]
+    /// to tell which ranges were parked before a stream query. Streams
+    /// without a slot are not listed (they cannot be asked).
+    pub(crate) fn parked_slots(&self) -> Vec<(u16, [u64; SHARDS])> {
+        (0..self.parts() - 1)
+            .filter_map(|p| {
+                let shards = &self.shards[p * SHARDS..(p + 1) * SHARDS];
+                if shards.iter().all(|sh| sh.count.load(Relaxed) == 0) {
+                    return None;
+                }
+                Some((
+                    p as u16,
+                    std::array::from_fn(|k| shards[k].puts.load(Acquire)),
+                ))
+            })
+            .collect()
+    }
+
     /// Removes every parked range, passing each shard's addresses to `f`
-    /// at once with the slot of its part, ascending: freed in that order,
+    /// at once with the slot of its part and whether they are clean,
+    /// that is, `clean(slot, shard, its park count)` (see
+    /// [`StreamLarge::parked_slots`]; read under the shard's lock, so no
+    /// range joins after the check), ascending: freed in that order,
     /// ranges that sit side by side (often parked neighbours) merge while
     /// their index entries are still cached, and the granules' records are
     /// read in order, where class order visited them at random (the
@@ -378,13 +408,19 @@ impl StreamLarge {
     /// instructions of `(addr, len)` pairs). Each shard's lock is held
     /// while `f` runs, so no range is ever out of both the lists and the
     /// heap while its stream could look for it.
-    pub(crate) fn drain_sorted(&self, mut f: impl FnMut(u16, &[u64])) {
+    pub(crate) fn drain_sorted(
+        &self,
+        clean: impl Fn(u16, usize, u64) -> bool,
+        mut f: impl FnMut(u16, bool, &[u64]),
+    ) {
         let mut scratch = self.scratch.lock();
         for (i, sh) in self.shards.iter().enumerate() {
             if sh.count.load(Relaxed) == 0 {
                 continue;
             }
             let mut st = sh.state.lock();
+            let slot = (i / SHARDS) as u16;
+            let is_clean = clean(slot, i % SHARDS, st.parked.puts);
             scratch.clear();
             st.parked.drain_each(|_, a| scratch.push(a));
             sh.publish(&st);
@@ -392,7 +428,7 @@ impl StreamLarge {
                 continue;
             }
             scratch.sort_unstable();
-            f((i / SHARDS) as u16, &scratch);
+            f(slot, is_clean, &scratch);
         }
     }
 
@@ -430,7 +466,9 @@ impl StreamLarge {
     pub(crate) fn clear(&self) {
         for sh in self.shards.iter() {
             let mut st = sh.state.lock();
+            let puts = st.parked.puts;
             *st = PartState::default();
+            st.parked.puts = puts;
             sh.publish(&st);
         }
     }
@@ -490,12 +528,48 @@ mod tests {
             Some(5)
         );
         let mut drained = Vec::new();
-        l.drain_sorted(|s, a| drained.push((s, a.to_vec())));
+        l.drain_sorted(|_, _, _| false, |s, _, a| drained.push((s, a.to_vec())));
         assert_eq!(drained, vec![(0, vec![0x100_0000])]);
         assert!(l.nothing_parked() && l.take_parked(0, 4 * mib, live(1, false)).is_none());
         l.park(1, 2 * mib, 0x300_0000);
         assert_eq!(l.drain_slot(1), vec![(2 * mib, 0x300_0000)]);
         assert_eq!(l.parked_addrs(), Vec::<u64>::new());
+    }
+
+    /// A drain calls a shard's ranges clean only while its park count is
+    /// the one read before (a stream query): a range parked since might
+    /// have been freed after work the query did not see.
+    #[test]
+    fn only_ranges_parked_before_the_count_was_read_drain_clean() {
+        let l = StreamLarge::new(3);
+        let mib = 1u64 << 20;
+        assert!(l.parked_slots().is_empty());
+        l.park(0, mib, 0x100_0000);
+        l.park(1, mib, 0x200_0000);
+        l.park(2, mib, 0x300_0000);
+        // Slot 2 is not asked about (its count is not read).
+        let counts: Vec<_> = l.parked_slots().into_iter().filter(|c| c.0 != 2).collect();
+        assert_eq!(counts.iter().map(|c| c.0).collect::<Vec<_>>(), vec![0, 1]);
+        // Slot 1 parks again after its count was read.
+        l.park(1, mib, 0x400_0000);
+        let read = |slot: u16| counts.iter().find(|c| c.0 == slot).map(|c| c.1);
+        let mut drained = Vec::new();
+        l.drain_sorted(
+            |slot, k, puts| read(slot).is_some_and(|c| c[k] == puts),
+            |slot, clean, a| drained.push((slot, clean, a.to_vec())),
+        );
+        assert_eq!(
+            drained,
+            vec![
+                (0, true, vec![0x100_0000]),
+                (1, false, vec![0x200_0000, 0x400_0000]),
+                (2, false, vec![0x300_0000]),
+            ]
+        );
+        // Counts never go back: what was read before a drain is stale.
+        l.park(0, mib, 0x500_0000);
+        let again = l.parked_slots();
+        assert_ne!(again[0].1, counts[0].1);
     }
 
     /// Threads of one stream park in their own shards, and each finds
@@ -548,7 +622,10 @@ mod tests {
         });
         assert!(l.take_parked(0, 4 * mib, live(1, false)).is_none());
         let mut sorted = Vec::new();
-        l.drain_sorted(|slot, a| sorted.push((slot, a.to_vec())));
+        l.drain_sorted(
+            |_, _, _| false,
+            |slot, _, a| sorted.push((slot, a.to_vec())),
+        );
         assert_eq!(sorted, vec![(1, vec![addrs[0]])]);
     }
 
@@ -576,7 +653,7 @@ mod tests {
                 hs.into_iter().map(|h| h.join().expect("no panic")).sum()
             });
             assert_eq!(wins, 1);
-            l.drain_sorted(|_, _| {});
+            l.drain_sorted(|_, _, _| false, |_, _, _| {});
         }
         assert_eq!(l.live_bytes(), 0);
     }

@@ -729,13 +729,13 @@ impl Heap {
         Some((id, bytes))
     }
 
-    /// The stream slots other than `except` with dirty free memory, each
-    /// with its [`Heap::dirty_gen`] count now.
-    pub(crate) fn dirty_slots(&self, except: Option<u16>) -> Vec<(u16, u64)> {
+    /// The stream slots with dirty free memory, each with its
+    /// [`Heap::dirty_gen`] count now.
+    pub(crate) fn dirty_slots(&self) -> Vec<(u16, u64)> {
         self.by_tag
             .iter()
             .filter_map(|(t, set)| match *t {
-                Tag::Dirty(s) if Some(s) != except && !set.is_empty() => Some(s),
+                Tag::Dirty(s) if !set.is_empty() => Some(s),
                 _ => None,
             })
             .map(|s| (s, self.dirty_gen(s)))

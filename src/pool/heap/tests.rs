@@ -167,7 +167,7 @@ fn dirty_ranges_are_cleaned_only_if_none_joined_since_the_count() {
     let b = heap.alloc(4 * MIB, ALIGN, Some(1), false).unwrap();
     let c = heap.alloc(4 * MIB, ALIGN, Some(2), false).unwrap();
     heap.free(a.addr, Tag::Dirty(1)).unwrap();
-    let seen = heap.dirty_slots(Some(2));
+    let seen = heap.dirty_slots();
     assert_eq!(seen, vec![(1, heap.dirty_gen(1))]);
     // Slot 1 frees again after the count was read: nothing is cleaned.
     heap.free(b.addr, Tag::Dirty(1)).unwrap();
@@ -175,12 +175,12 @@ fn dirty_ranges_are_cleaned_only_if_none_joined_since_the_count() {
     assert!(heap.figures().free_dirty > 0);
     heap.check().unwrap();
     // Read again with nothing joining: all of slot 1's memory is clean,
-    // one range, and slot 2 (excluded, and not asked about) keeps its own.
+    // one range, and slot 2 (not asked about) keeps its own.
     heap.free(c.addr, Tag::Dirty(2)).unwrap();
     let gen = heap.dirty_gen(1);
     assert_eq!(heap.clean_dirty_if(1, gen), 8 * MIB);
     heap.check().unwrap();
-    assert_eq!(heap.dirty_slots(None), vec![(2, heap.dirty_gen(2))]);
+    assert_eq!(heap.dirty_slots(), vec![(2, heap.dirty_gen(2))]);
     let t = heap
         .alloc_backed(8 * MIB, ALIGN, Some(3))
         .expect("clean for any slot");
