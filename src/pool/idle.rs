@@ -6,15 +6,15 @@
 //! A stream's freed large memory sits in two places: parked for its own
 //! reuse (`stream_large.rs`) and in the heap as `Dirty(slot)` ranges. Both
 //! serve only that stream until its uses are known to be complete. When a
-//! request misses, [`PoolShared::query_idle`] asks each other stream that
-//! holds some (two cheap driver calls each, outside every lock: a capture
-//! check first, as a query would invalidate a capture the pool was not
-//! told of, then the query), and [`PoolShared::unpark_reusing`], under
-//! the heap lock, gives every parked range to the heap, an idle stream's
-//! as `Clean`, and cleans the idle streams' `Dirty` ranges. Parked ranges
-//! of an idle stream go in clean at once: parked as `Dirty` and cleaned
-//! after, each range was merged twice (on 8 idle streams, a quarter of
-//! the serving workload's time).
+//! request misses, [`PoolShared::query_idle`] asks each stream that holds
+//! some, the requester's own only beside others (two cheap driver calls
+//! each, outside every lock: a capture check first, as a query would
+//! invalidate a capture the pool was not told of, then the query), and
+//! [`PoolShared::unpark_reusing`], under the heap lock, cleans the idle
+//! streams' `Dirty` ranges and gives every parked range to the heap, an
+//! idle stream's as `Clean`. Parked ranges of an idle stream go in clean
+//! at once: parked as `Dirty` and cleaned after, each range was merged
+//! twice (on 8 idle streams, a fifth of the serving workload's run).
 //!
 //! Invariant: memory is made clean only if it was freed before the query
 //! that found its stream idle. What each stream held is counted before
@@ -81,22 +81,18 @@ impl PoolShared {
             )
     }
 
-    /// Asks each stream that holds freed memory (dirty heap ranges;
-    /// parked ranges too if `parked`) whether it is idle: the requester's
+    /// Asks each stream that holds freed memory (dirty heap ranges or
+    /// parked ranges) whether it is idle: the requester's
     /// own stream `own` too, but only beside another (what it freed is
     /// its own to reuse already, and clean serves only other streams; one
     /// stream alone is never asked). Takes the heap lock once to count,
     /// and no lock while it asks. None while a capture is underway.
-    pub(super) fn query_idle(&self, own: Option<u16>, parked: bool) -> IdleStreams {
+    pub(super) fn query_idle(&self, own: Option<u16>) -> IdleStreams {
         if self.capture.underway() {
             return IdleStreams::default();
         }
         let dirty = self.heap.lock().heap.dirty_slots();
-        let parks = if parked {
-            self.by_stream.parked_slots()
-        } else {
-            Vec::new()
-        };
+        let parks = self.by_stream.parked_slots();
         let mut slots: Vec<u16> = dirty
             .iter()
             .map(|d| d.0)
@@ -154,10 +150,11 @@ impl PoolShared {
     }
 
     /// Makes the dirty large ranges of idle streams clean for every
-    /// stream (parked ranges too, were any parked; `own` as in
-    /// [`PoolShared::query_idle`]): whether any memory became clean.
+    /// stream, and unparks every parked range, an idle stream's clean
+    /// (`own` as in [`PoolShared::query_idle`]): whether any memory
+    /// became clean.
     pub(super) fn clean_idle_streams(&self, own: Option<u16>) -> bool {
-        let idle = self.query_idle(own, true);
+        let idle = self.query_idle(own);
         if idle.is_empty() {
             return false;
         }

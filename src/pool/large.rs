@@ -61,7 +61,7 @@ impl PoolShared {
         // growth, clean for every stream where their streams have run all
         // their work, as are those streams' dirty ranges (a query each, no
         // event, no wait; see `idle.rs`).
-        let idle = self.query_idle(stream.slot(), true);
+        let idle = self.query_idle(stream.slot());
         let cleaned = {
             let mut h = self.heap.lock();
             let (unparked, cleaned) = self.unpark_reusing(&mut h, &idle);
