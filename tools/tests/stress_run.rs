@@ -95,6 +95,23 @@ fn serving_with_verification_is_clean() {
     assert_eq!(r.workload, Workload::Serving);
 }
 
+/// Streams busy part of the time (a simulated kernel after a fifth of the
+/// allocations): memory freed on a busy stream must not reach another
+/// stream before its work ends, whether the pool asks the stream or
+/// waits on an event; the late verify kernels would see it.
+#[test]
+fn serving_on_busy_streams_with_verification_is_clean() {
+    let o = StressOptions {
+        kernel_percent: 20,
+        kernel_time: Duration::from_micros(50),
+        ..opts(Workload::Serving, 1, 4, 2)
+    };
+    let r = run(&o, |_| {}).unwrap();
+    assert_clean(&r);
+    assert_eq!((r.kernel_percent, r.kernel_us), (20, 50));
+    assert_eq!(r.false_ooms, 0);
+}
+
 /// The checker works: frees from another stream that skip the ordering
 /// event (API misuse) let the pool hand memory to new work while the old
 /// verify kernels are still queued, and the run reports corrupted bytes.
@@ -134,6 +151,10 @@ fn bad_options_are_typed_errors() {
         },
         StressOptions {
             cross_percent: 101,
+            ..Default::default()
+        },
+        StressOptions {
+            kernel_percent: 101,
             ..Default::default()
         },
     ] {

@@ -562,6 +562,14 @@ struct StressArgs {
     /// (an event record, a stream wait and `record_stream`).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=100))]
     cross_percent: u64,
+    /// Percent of allocations followed by a simulated kernel of
+    /// --kernel-us on their stream (time only): streams busy part of the
+    /// time, as a server's are.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100))]
+    kernel_percent: u64,
+    /// With --kernel-percent: each kernel's length in microseconds.
+    #[arg(long, default_value_t = 20)]
+    kernel_us: u64,
     /// Then run the same traffic through the PyTorch port (default and
     /// expandable_segments) and through no allocator (harness_only: the
     /// most the harness allows), each for --duration, and report them side
@@ -677,6 +685,8 @@ fn stress(a: &StressArgs) -> Result<()> {
         config,
         peers: a.peers,
         cross_percent: a.cross_percent,
+        kernel_percent: a.kernel_percent,
+        kernel_time: std::time::Duration::from_micros(a.kernel_us),
         ..Default::default()
     };
     let bar = if a.json || !std::io::stderr().is_terminal() {

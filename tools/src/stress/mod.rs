@@ -77,6 +77,13 @@ pub struct StressOptions {
     pub cross_percent: u64,
     /// Percent of raw blocks freed from another stream.
     pub cross_free_percent: u64,
+    /// Percent of allocations followed by a simulated kernel of
+    /// `kernel_time` on their stream (time only, no bytes touched): the
+    /// streams are busy part of the time, as a server's are, where with
+    /// none every stream is idle whenever the pool asks.
+    pub kernel_percent: u64,
+    /// How long each of those kernels runs.
+    pub kernel_time: Duration,
     /// Pool configuration (`GPUPOOL_CONF`); its backend is ignored.
     pub config: PoolConfig,
     /// Then run the same traffic through the PyTorch port, in its default
@@ -105,6 +112,8 @@ impl Default for StressOptions {
             raw_percent: 25,
             cross_percent: 30,
             cross_free_percent: 30,
+            kernel_percent: 0,
+            kernel_time: Duration::from_micros(20),
             config: PoolConfig::default(),
             peers: false,
             misuse_unordered_frees: false,
@@ -128,6 +137,7 @@ impl StressOptions {
             self.raw_percent,
             self.cross_percent,
             self.cross_free_percent,
+            self.kernel_percent,
         ]
         .iter()
         .any(|&p| p > 100)
@@ -426,6 +436,8 @@ fn thread_main(
         raw_percent: opts.raw_percent,
         cross_percent: opts.cross_percent,
         cross_free_percent: opts.cross_free_percent,
+        kernel_percent: opts.kernel_percent,
+        kernel_time: opts.kernel_time,
         unordered_frees: opts.misuse_unordered_frees,
     };
     let mut w = Worker::new(
@@ -491,6 +503,8 @@ fn build_report(
         capacity_bytes: opts.capacity_bytes,
         verify: opts.verify,
         seed: opts.seed,
+        kernel_percent: opts.kernel_percent,
+        kernel_us: opts.kernel_time.as_micros() as u64,
         seconds: counts.seconds,
         ..Default::default()
     };

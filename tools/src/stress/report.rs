@@ -136,6 +136,11 @@ pub struct StressReport {
     pub verify: bool,
     /// The seed of the run.
     pub seed: u64,
+    /// Percent of allocations followed by a simulated kernel on their
+    /// stream (`--kernel-percent`).
+    pub kernel_percent: u64,
+    /// Each such kernel's length in microseconds.
+    pub kernel_us: u64,
     /// Wall time of the traffic in seconds.
     pub seconds: f64,
     /// Allocs plus frees, all devices.

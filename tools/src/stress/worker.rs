@@ -59,6 +59,10 @@ pub(crate) struct Mix {
     pub cross_percent: u64,
     /// Raw items freed from another stream than their own.
     pub cross_free_percent: u64,
+    /// Allocations followed by a simulated kernel on their stream.
+    pub kernel_percent: u64,
+    /// Each such kernel's length.
+    pub kernel_time: std::time::Duration,
     /// Misuse for the negative control: free from the other stream without
     /// ordering it after the block's own stream.
     pub unordered_frees: bool,
@@ -283,6 +287,10 @@ impl<'a> Worker<'a> {
                 seed,
                 delay,
             )?;
+        }
+        if self.mix.kernel_percent > 0 && self.rng.chance(self.mix.kernel_percent) {
+            self.sim
+                .stall_stream(self.device(), stream.handle(), self.mix.kernel_time)?;
         }
         if self.rng.chance(self.mix.cross_percent) {
             self.use_elsewhere(&item)?;
