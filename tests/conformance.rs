@@ -872,6 +872,60 @@ fn sim_full_launch_queue_blocks_the_host_until_the_stream_drains() {
     sim.destroy_stream(0, s).unwrap();
 }
 
+/// Sim only: a stall on a stream with nothing queued runs on the clock,
+/// as a device's kernel does: the stream reads busy until the stall's end
+/// and idle after it, an event recorded behind it completes at its end, a
+/// stream waiting on that event is busy until then too, and work queued
+/// behind the stall (a write, a later event on the waiter) runs after it.
+#[test]
+fn sim_stalls_end_on_the_clock_and_order_what_follows() {
+    let s = sim();
+    let (busy, waiter) = (s.create_stream(0).unwrap(), s.create_stream(0).unwrap());
+    let (e, f) = (s.create_event(0).unwrap(), s.create_event(0).unwrap());
+    let p = s.alloc_segment(0, MIB).unwrap();
+    let stall = Duration::from_millis(150);
+    let t = Instant::now();
+    s.stall_stream(0, busy, stall).unwrap();
+    s.record_event(0, e, busy).unwrap();
+    s.stream_wait_event(0, waiter, e).unwrap();
+    s.record_event(0, f, waiter).unwrap();
+    let early = |ok: bool| ok && t.elapsed() < stall;
+    assert!(
+        !early(s.query_stream(0, busy).unwrap()),
+        "a stalled stream read idle before the stall ended"
+    );
+    for (ev, what) in [(e, "behind the stall"), (f, "after a wait on it")] {
+        assert!(
+            !early(s.query_event(0, ev).unwrap()),
+            "an event {what} completed early"
+        );
+    }
+    assert!(
+        !early(s.query_stream(0, waiter).unwrap()),
+        "a stream waiting on the stall read idle before it ended"
+    );
+    // Real work queued behind the deadline runs after it, in order.
+    s.launch_write_pattern(0, busy, p, MIB, 9, Duration::ZERO)
+        .unwrap();
+    let r = s
+        .launch_verify_pattern(0, busy, p, MIB, 9, Duration::ZERO)
+        .unwrap();
+    s.sync_stream(0, busy).unwrap();
+    assert!(t.elapsed() >= stall, "the write ran before the stall ended");
+    assert_eq!(r.wait(), 0);
+    s.sync_event(0, f).unwrap();
+    assert!(s.query_event(0, e).unwrap() && s.query_event(0, f).unwrap());
+    assert!(s.query_stream(0, busy).unwrap() && s.query_stream(0, waiter).unwrap());
+    assert_eq!(s.integrity_errors(0), 0);
+    // A second stall starts from the first's end, not from now.
+    let t = Instant::now();
+    s.stall_stream(0, busy, Duration::from_millis(60)).unwrap();
+    s.stall_stream(0, busy, Duration::from_millis(60)).unwrap();
+    s.record_event(0, e, busy).unwrap();
+    s.sync_event(0, e).unwrap();
+    assert!(t.elapsed() >= Duration::from_millis(120));
+}
+
 /// Sim only: an event recorded on an idle stream completes at once (no
 /// trip through the stream's worker), one recorded behind queued work only
 /// when that work has run, and a wait for a completed event is not queued:

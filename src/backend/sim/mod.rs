@@ -244,7 +244,7 @@ impl SimBackend {
             }
             n => {
                 let (tx, rx) = mpsc::sync_channel(n);
-                (stream::Tx::Bounded(tx), rx)
+                (stream::Tx::Bounded(tx, n), rx)
             }
         };
         let exec: Arc<dyn Executor> = self.shared.clone();
@@ -484,8 +484,15 @@ impl SimBackend {
     }
 
     /// Stalls `stream`: its next operation waits `d` first.
+    /// With nothing queued on it the stream is busy on the clock (see
+    /// `stream.rs`), and its stall ends at `d` however the host's
+    /// scheduler runs the stream's worker, as a device's kernel would.
     pub fn stall_stream(&self, dev: usize, stream: StreamHandle, d: Duration) -> Result<()> {
-        self.push_op(dev, &self.stream(dev, stream)?, Op::Delay(d))
+        let st = self.stream(dev, stream)?;
+        if self.inline_ok(dev, &st) && st.delay_on_clock(d)? {
+            return Ok(());
+        }
+        self.push_op(dev, &st, Op::Delay(d))
     }
 
     // ---- simulated kernels ---------------------------------------------------
@@ -911,9 +918,14 @@ impl Backend for SimBackend {
         self.capture_check(dev, "cuStreamWaitEvent", Checked::OnStream(&st));
         self.nth_event_fault(dev)?;
         let seq = ev.current();
-        // A wait for a completed capture orders nothing: not queued.
-        if self.inline_ok(dev, &st) && ev.is_done(seq) {
-            return st.check_open();
+        if self.inline_ok(dev, &st) {
+            match ev.capture(seq) {
+                // A wait for a completed capture orders nothing: not queued.
+                stream::Capture::Done => return st.check_open(),
+                // One due on the clock keeps an idle stream busy till then.
+                stream::Capture::DueAt(at) if st.wait_on_clock(at)? => return Ok(()),
+                _ => {}
+            }
         }
         self.push_op(dev, &st, Op::Wait(ev, seq))
     }

@@ -9,15 +9,33 @@
 //! earlier capture. A stream waiting on an event waits for the capture that
 //! was latest at enqueue time (not for a later re-record on another stream,
 //! which may complete first), and blocks only its own worker.
+//!
+//! Time-only work on a stream with nothing queued (a stalled stream, a
+//! kernel modeled by its length) runs on the clock instead of the worker:
+//! the stream is busy until a deadline, an event recorded meanwhile
+//! completes at it, and a stream that waits on such an event is busy until
+//! then too. On a device a 20 us kernel keeps its stream 20 us; a sleeping
+//! worker would keep it until the host's scheduler woke it again, which on
+//! a loaded machine is milliseconds, and every stream would read busy far
+//! longer than a GPU's. Work queued behind a deadline waits for it on the
+//! worker ([`Op::Until`]).
 
 use crate::backend::Move;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Release};
 use std::sync::mpsc;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
+
+/// Nanoseconds on the simulator's monotonic clock, never 0.
+pub(crate) fn clock_ns() -> u64 {
+    static BASE: LazyLock<Instant> = LazyLock::new(Instant::now);
+    BASE.elapsed().as_nanos() as u64 + 1
+}
 
 /// State of one event, shared by the host and the stream workers.
 #[derive(Debug, Default)]
@@ -33,6 +51,38 @@ struct EventState {
     recorded: u64,
     /// Captures whose work has not run yet.
     pending: std::collections::BTreeSet<u64>,
+    /// Pending captures that complete on the clock: `(seq, at)` (recorded
+    /// on a stream busy only until `at`, see [`SimStream::complete_if_idle`]).
+    due: Vec<(u64, u64)>,
+}
+
+impl EventState {
+    /// Completes the captures due by now.
+    fn settle(&mut self) {
+        if self.due.is_empty() {
+            return;
+        }
+        let now = clock_ns();
+        let pending = &mut self.pending;
+        self.due.retain(|&(seq, at)| {
+            if at > now {
+                return true;
+            }
+            pending.remove(&seq);
+            false
+        });
+    }
+}
+
+/// Where one capture of an event stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Capture {
+    /// Complete (or never recorded).
+    Done,
+    /// Completes on the clock at this time ([`clock_ns`]).
+    DueAt(u64),
+    /// Behind work queued on its stream.
+    Queued,
 }
 
 impl SimEvent {
@@ -58,13 +108,22 @@ impl SimEvent {
     }
 
     pub(crate) fn is_complete(&self) -> bool {
-        let s = self.state.lock();
+        let mut s = self.state.lock();
+        s.settle();
         !s.pending.contains(&s.recorded)
     }
 
-    /// Whether capture `seq` has completed (a capture never recorded has).
-    pub(crate) fn is_done(&self, seq: u64) -> bool {
-        !self.state.lock().pending.contains(&seq)
+    /// Where capture `seq` stands (a capture never recorded is done).
+    pub(crate) fn capture(&self, seq: u64) -> Capture {
+        let mut s = self.state.lock();
+        s.settle();
+        if !s.pending.contains(&seq) {
+            return Capture::Done;
+        }
+        match s.due.iter().find(|&&(q, _)| q == seq) {
+            Some(&(_, at)) => Capture::DueAt(at),
+            None => Capture::Queued,
+        }
     }
 
     fn complete(&self, seq: u64) {
@@ -73,11 +132,26 @@ impl SimEvent {
         self.cv.notify_all();
     }
 
+    /// Capture `seq` completes on the clock at `at`.
+    fn complete_at(&self, seq: u64, at: u64) {
+        self.state.lock().due.push((seq, at));
+    }
+
     /// Blocks until capture `seq` has completed.
     pub(crate) fn wait_for(&self, seq: u64) {
         let mut s = self.state.lock();
-        while s.pending.contains(&seq) {
-            self.cv.wait(&mut s);
+        loop {
+            s.settle();
+            if !s.pending.contains(&seq) {
+                return;
+            }
+            match s.due.iter().find(|&&(q, _)| q == seq) {
+                Some(&(_, at)) => {
+                    let left = Duration::from_nanos(at.saturating_sub(clock_ns()));
+                    self.cv.wait_for(&mut s, left);
+                }
+                None => self.cv.wait(&mut s),
+            }
         }
     }
 }
@@ -145,6 +219,9 @@ impl VerifyResult {
 pub(crate) enum Op {
     /// Sleep (a stalled stream, or a slow kernel).
     Delay(Duration),
+    /// Sleep until this time on [`clock_ns`]: the rest of a deadline that
+    /// work was queued behind.
+    Until(u64),
     /// Mark an event capture complete, after an optional injected delay.
     Complete(Arc<SimEvent>, u64),
     /// Block this stream until an event capture completes.
@@ -169,14 +246,23 @@ pub(crate) enum Op {
 /// not.
 #[derive(Debug)]
 pub(crate) enum Tx {
-    Bounded(mpsc::SyncSender<Op>),
+    /// With the queue's depth.
+    Bounded(mpsc::SyncSender<Op>, usize),
     Unbounded(mpsc::Sender<Op>),
 }
 
 impl Tx {
+    /// How many operations the queue holds before a push blocks.
+    fn depth(&self) -> Option<usize> {
+        match self {
+            Tx::Bounded(_, n) => Some(*n),
+            Tx::Unbounded(_) => None,
+        }
+    }
+
     fn send(&self, op: Op) -> std::result::Result<(), mpsc::SendError<Op>> {
         match self {
-            Tx::Bounded(t) => t.send(op),
+            Tx::Bounded(t, _) => t.send(op),
             Tx::Unbounded(t) => t.send(op),
         }
     }
@@ -194,11 +280,21 @@ impl Tx {
 /// recorded on it completes at once, without a trip through the queue
 /// ([`SimStream::complete_if_idle`]): on a device such a record completes
 /// within microseconds, and here it spares a thread wake-up per record.
+///
+/// `busy_until` is the deadline of time-only work run on the clock (see
+/// the module's header): written under the queue's lock, and moved onto
+/// the queue as an [`Op::Until`] before any work pushed while it lies
+/// ahead, so the worker runs that work after it.
 #[derive(Debug)]
 pub(crate) struct SimStream {
     pub(crate) device: usize,
     tx: Mutex<Option<Tx>>,
     in_flight: Arc<AtomicUsize>,
+    busy_until: AtomicU64,
+    /// Records and waits taken on the clock behind `busy_until`: they
+    /// would hold places in a launch queue, and at its depth the host
+    /// waits for the deadline (see [`SimStream::lock_with_room`]).
+    on_clock: AtomicUsize,
 }
 
 impl SimStream {
@@ -209,21 +305,83 @@ impl SimStream {
             device,
             tx: Mutex::new(Some(tx)),
             in_flight,
+            busy_until: AtomicU64::new(0),
+            on_clock: AtomicUsize::new(0),
+        }
+    }
+
+    /// The queue's lock, with room for one more operation on the clock:
+    /// while the queue's depth of them already wait behind the deadline,
+    /// the host waits for it, as a full launch queue blocks it until the
+    /// stream drains.
+    fn lock_with_room(&self) -> Result<parking_lot::MutexGuard<'_, Option<Tx>>> {
+        loop {
+            let tx = self.tx.lock();
+            let Some(q) = tx.as_ref() else {
+                return Err(Error::InvalidHandle("stream was destroyed".into()));
+            };
+            let (until, now) = (self.busy_until.load(Relaxed), clock_ns());
+            if until <= now {
+                self.on_clock.store(0, Relaxed);
+                return Ok(tx);
+            }
+            if q.depth().is_none_or(|d| self.on_clock.load(Relaxed) < d) {
+                return Ok(tx);
+            }
+            drop(tx);
+            std::thread::sleep(Duration::from_nanos(until - now));
         }
     }
 
     pub(crate) fn push(&self, op: Op) -> Result<()> {
         let tx = self.tx.lock();
-        match tx.as_ref() {
-            Some(tx) => {
-                self.in_flight.fetch_add(1, AcqRel);
-                tx.send(op).map_err(|_| {
-                    self.in_flight.fetch_sub(1, AcqRel);
-                    Error::InvalidHandle("stream worker is gone".into())
-                })
-            }
-            None => Err(Error::InvalidHandle("stream was destroyed".into())),
+        let Some(tx) = tx.as_ref() else {
+            return Err(Error::InvalidHandle("stream was destroyed".into()));
+        };
+        let send = |op: Op| {
+            self.in_flight.fetch_add(1, AcqRel);
+            tx.send(op).map_err(|_| {
+                self.in_flight.fetch_sub(1, AcqRel);
+                Error::InvalidHandle("stream worker is gone".into())
+            })
+        };
+        // The clock's deadline goes on the queue first: the worker runs
+        // `op` after it.
+        let until = self.busy_until.swap(0, Relaxed);
+        self.on_clock.store(0, Relaxed);
+        if until > clock_ns() {
+            send(Op::Until(until))?;
         }
+        send(op)
+    }
+
+    /// Makes the stream busy until `deadline(from)` on the clock, where
+    /// `from` is the later of now and the current deadline, when nothing is
+    /// queued on it; false (nothing changed): work is queued, and the
+    /// caller queues its operation behind it.
+    fn busy_on_clock(&self, deadline: impl FnOnce(u64) -> u64) -> Result<bool> {
+        let _tx = self.lock_with_room()?;
+        if self.in_flight.load(Acquire) != 0 {
+            return Ok(false);
+        }
+        let (until, now) = (self.busy_until.load(Relaxed), clock_ns());
+        if until > now {
+            self.on_clock.fetch_add(1, Relaxed);
+        }
+        self.busy_until.store(deadline(until.max(now)), Relaxed);
+        Ok(true)
+    }
+
+    /// Time-only work of length `d` after what the stream runs now, on the
+    /// clock (false: work is queued; queue an [`Op::Delay`] behind it).
+    pub(crate) fn delay_on_clock(&self, d: Duration) -> Result<bool> {
+        self.busy_on_clock(|from| from.saturating_add(d.as_nanos() as u64))
+    }
+
+    /// A wait for an event capture due on the clock at `at`: the stream is
+    /// busy until then (false: work is queued; queue an [`Op::Wait`]).
+    pub(crate) fn wait_on_clock(&self, at: u64) -> Result<bool> {
+        self.busy_on_clock(|from| from.max(at))
     }
 
     /// Completes capture `seq` of `ev` now if nothing is queued or running
@@ -231,22 +389,27 @@ impl SimStream {
     /// lock keeps other pushes out, and the worker lowers `in_flight` only
     /// after an operation has run, so at 0 everything queued before has.
     pub(crate) fn complete_if_idle(&self, ev: &SimEvent, seq: u64) -> Result<bool> {
-        let tx = self.tx.lock();
-        if tx.is_none() {
-            return Err(Error::InvalidHandle("stream was destroyed".into()));
-        }
+        let _tx = self.lock_with_room()?;
         if self.in_flight.load(Acquire) != 0 {
             return Ok(false);
         }
-        ev.complete(seq);
+        // Busy on the clock only: the capture completes at the deadline.
+        let until = self.busy_until.load(Relaxed);
+        if until > clock_ns() {
+            self.on_clock.fetch_add(1, Relaxed);
+            ev.complete_at(seq, until);
+        } else {
+            ev.complete(seq);
+        }
         Ok(true)
     }
 
     /// Whether everything queued on the stream has run (`cuStreamQuery`):
-    /// the worker lowers `in_flight` only after an operation has run.
+    /// the worker lowers `in_flight` only after an operation has run, and
+    /// time-only work on the clock has run at its deadline.
     pub(crate) fn is_idle(&self) -> Result<bool> {
         self.check_open()?;
-        Ok(self.in_flight.load(Acquire) == 0)
+        Ok(self.in_flight.load(Acquire) == 0 && self.busy_until.load(Relaxed) <= clock_ns())
     }
 
     /// An error if the stream was destroyed.
@@ -309,6 +472,7 @@ fn run(device: usize, op: Op, exec: &dyn Executor) -> Option<(Arc<SimEvent>, u64
     }
     match op {
         Op::Delay(d) => std::thread::sleep(d),
+        Op::Until(t) => std::thread::sleep(Duration::from_nanos(t.saturating_sub(clock_ns()))),
         Op::Complete(ev, seq) => {
             let d = exec.event_delay(device);
             if !d.is_zero() {
