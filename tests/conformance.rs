@@ -872,6 +872,49 @@ fn sim_full_launch_queue_blocks_the_host_until_the_stream_drains() {
     sim.destroy_stream(0, s).unwrap();
 }
 
+/// Sim only: the launch queue holds what has not run yet. On a stream
+/// busy without a break, records that completed behind an earlier stall
+/// free their places: the host blocks only while the queue's depth of
+/// operations are still to run.
+#[test]
+fn sim_launch_queue_counts_only_work_still_to_run() {
+    let sim = SimBackend::new(SimConfig {
+        queue_depth: 4,
+        ..sim_config()
+    })
+    .unwrap();
+    let s = sim.create_stream(0).unwrap();
+    let ev = sim.create_event(0).unwrap();
+    let t = Instant::now();
+    sim.stall_stream(0, s, Duration::from_millis(40)).unwrap();
+    for _ in 0..3 {
+        sim.record_event(0, ev, s).unwrap();
+    }
+    // The stream stays busy: a long stall after the three records.
+    sim.stall_stream(0, s, Duration::from_secs(2)).unwrap();
+    assert!(
+        t.elapsed() < Duration::from_millis(40),
+        "a push within the depth blocked"
+    );
+    std::thread::sleep(Duration::from_millis(60));
+    // The records ran at 40 ms: the queue holds the long stall alone.
+    let t = Instant::now();
+    for _ in 0..3 {
+        sim.record_event(0, ev, s).unwrap();
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "records blocked behind places of work that had run ({:?})",
+        t.elapsed()
+    );
+    // A fifth operation still to run: the host waits for the stall.
+    sim.record_event(0, ev, s).unwrap();
+    assert!(t.elapsed() >= Duration::from_millis(1800));
+    sim.sync_stream(0, s).unwrap();
+    sim.destroy_event(0, ev).unwrap();
+    sim.destroy_stream(0, s).unwrap();
+}
+
 /// Sim only: a stall on a stream with nothing queued runs on the clock,
 /// as a device's kernel does: the stream reads busy until the stall's end
 /// and idle after it, an event recorded behind it completes at its end, a

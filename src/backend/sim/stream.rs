@@ -291,10 +291,12 @@ pub(crate) struct SimStream {
     tx: Mutex<Option<Tx>>,
     in_flight: Arc<AtomicUsize>,
     busy_until: AtomicU64,
-    /// Records and waits taken on the clock behind `busy_until`: they
-    /// would hold places in a launch queue, and at its depth the host
-    /// waits for the deadline (see [`SimStream::lock_with_room`]).
-    on_clock: AtomicUsize,
+    /// When each operation taken on the clock behind an earlier one (a
+    /// record, a wait, a stall) completes, in order: until then it would
+    /// hold a place in a launch queue, and at the queue's depth the host
+    /// waits for the first to complete (see [`SimStream::lock_with_room`]).
+    /// Locked inside `tx`'s lock.
+    on_clock: Mutex<std::collections::VecDeque<u64>>,
 }
 
 impl SimStream {
@@ -306,31 +308,43 @@ impl SimStream {
             tx: Mutex::new(Some(tx)),
             in_flight,
             busy_until: AtomicU64::new(0),
-            on_clock: AtomicUsize::new(0),
+            on_clock: Mutex::new(Default::default()),
         }
     }
 
     /// The queue's lock, with room for one more operation on the clock:
-    /// while the queue's depth of them already wait behind the deadline,
-    /// the host waits for it, as a full launch queue blocks it until the
-    /// stream drains.
+    /// while the queue's depth of them are still to complete, the host
+    /// waits for the first, as a full launch queue blocks it until the
+    /// stream runs one more.
     fn lock_with_room(&self) -> Result<parking_lot::MutexGuard<'_, Option<Tx>>> {
         loop {
             let tx = self.tx.lock();
             let Some(q) = tx.as_ref() else {
                 return Err(Error::InvalidHandle("stream was destroyed".into()));
             };
-            let (until, now) = (self.busy_until.load(Relaxed), clock_ns());
-            if until <= now {
-                self.on_clock.store(0, Relaxed);
+            let now = clock_ns();
+            let first = {
+                let mut c = self.on_clock.lock();
+                while c.front().is_some_and(|&t| t <= now) {
+                    c.pop_front();
+                }
+                match q.depth() {
+                    Some(d) if c.len() >= d => c.front().copied(),
+                    _ => None,
+                }
+            };
+            let Some(first) = first else {
                 return Ok(tx);
-            }
-            if q.depth().is_none_or(|d| self.on_clock.load(Relaxed) < d) {
-                return Ok(tx);
-            }
+            };
             drop(tx);
-            std::thread::sleep(Duration::from_nanos(until - now));
+            std::thread::sleep(Duration::from_nanos(first.saturating_sub(now)));
         }
+    }
+
+    /// One more operation on the clock behind the stream's deadline,
+    /// complete at `at`.
+    fn queue_on_clock(&self, at: u64) {
+        self.on_clock.lock().push_back(at);
     }
 
     pub(crate) fn push(&self, op: Op) -> Result<()> {
@@ -348,7 +362,7 @@ impl SimStream {
         // The clock's deadline goes on the queue first: the worker runs
         // `op` after it.
         let until = self.busy_until.swap(0, Relaxed);
-        self.on_clock.store(0, Relaxed);
+        self.on_clock.lock().clear();
         if until > clock_ns() {
             send(Op::Until(until))?;
         }
@@ -365,10 +379,11 @@ impl SimStream {
             return Ok(false);
         }
         let (until, now) = (self.busy_until.load(Relaxed), clock_ns());
+        let at = deadline(until.max(now));
         if until > now {
-            self.on_clock.fetch_add(1, Relaxed);
+            self.queue_on_clock(at);
         }
-        self.busy_until.store(deadline(until.max(now)), Relaxed);
+        self.busy_until.store(at, Relaxed);
         Ok(true)
     }
 
@@ -396,7 +411,7 @@ impl SimStream {
         // Busy on the clock only: the capture completes at the deadline.
         let until = self.busy_until.load(Relaxed);
         if until > clock_ns() {
-            self.on_clock.fetch_add(1, Relaxed);
+            self.queue_on_clock(until);
             ev.complete_at(seq, until);
         } else {
             ev.complete(seq);
