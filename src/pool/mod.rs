@@ -105,6 +105,9 @@ struct HeapState {
     /// Slab ids free for reuse.
     /// Retired slab ids by class (an id is only reused within its class).
     free_slab_ids: Vec<Vec<u32>>,
+    /// Each class's clean-stack push count at the last slab retirement
+    /// pass (`retire_empty_slabs` skips a class whose count is unchanged).
+    clean_pushes_seen: Vec<u64>,
     /// Movable regions given back to the heap, to be released to the
     /// device, since compaction last released memory: `(addr, len)`.
     freed_regions: Vec<(u64, u64)>,
@@ -311,6 +314,7 @@ impl DevicePool {
                 heap,
                 group_events: HashMap::default(),
                 free_slab_ids: vec![Vec::new(); classes_len],
+                clean_pushes_seen: vec![u64::MAX; classes_len],
                 freed_regions: Vec::new(),
                 quarantine: Vec::new(),
                 slab_bytes: 0,

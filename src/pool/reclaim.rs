@@ -562,6 +562,12 @@ impl PoolShared {
         let mut ids: Vec<u32> = Vec::new();
         let mut retired: Vec<u32> = Vec::new();
         for class in 0..self.slabs.classes.len() {
+            // Nothing pushed since the last pass: no slab turned empty.
+            let pushes = self.slabs.clean_pushes(class);
+            if h.clean_pushes_seen[class] == pushes {
+                continue;
+            }
+            h.clean_pushes_seen[class] = pushes;
             let mut clean = self.slabs.take_clean(class);
             if clean.is_empty() {
                 continue;
@@ -592,7 +598,7 @@ impl PoolShared {
                 // `retired` is sorted: its ids came in `ids`' order.
                 clean.retain(|&i| retired.binary_search(&self.slabs.slab_of(i)).is_err());
             }
-            self.slabs.push_clean(class, &clean);
+            self.slabs.push_clean_back(class, &clean);
         }
         freed
     }

@@ -75,6 +75,11 @@ pub(crate) struct Slab {
 #[derive(Debug)]
 pub(crate) struct ClassStacks {
     pub clean: CachePadded<IndexStack>,
+    /// Chains pushed on `clean`, but for the slab retirement's own
+    /// push-back: a slab turns all clean only by a push, so a class whose
+    /// count has not moved since a retirement pass holds no empty slab that
+    /// pass did not retire.
+    clean_pushes: CachePadded<AtomicU64>,
     pub dirty: Box<[CachePadded<IndexStack>]>,
 }
 
@@ -175,6 +180,7 @@ impl Slabs {
         let stacks = (0..classes.len())
             .map(|_| ClassStacks {
                 clean: CachePadded::new(IndexStack::new()),
+                clean_pushes: CachePadded::new(AtomicU64::new(0)),
                 dirty: (0..stream_slots)
                     .map(|_| CachePadded::new(IndexStack::new()))
                     .collect(),
@@ -296,8 +302,24 @@ impl Slabs {
     /// Pushes slots whose last uses completed on the clean stack.
     pub(crate) fn push_clean(&self, class: usize, idxs: &[u32]) {
         if let Some((f, l)) = link_chain(self, idxs) {
+            let st = &self.stacks[class];
+            st.clean.push_chain(self, f, l);
+            st.clean_pushes.fetch_add(1, Release);
+        }
+    }
+
+    /// [`Slabs::push_clean`] of slots a slab retirement pass took and
+    /// kept, uncounted: none of their slabs is all clean.
+    pub(crate) fn push_clean_back(&self, class: usize, idxs: &[u32]) {
+        if let Some((f, l)) = link_chain(self, idxs) {
             self.stacks[class].clean.push_chain(self, f, l);
         }
+    }
+
+    /// Chains pushed on `class`'s clean stack so far (see
+    /// [`ClassStacks`]'s `clean_pushes`).
+    pub(crate) fn clean_pushes(&self, class: usize) -> u64 {
+        self.stacks[class].clean_pushes.load(Acquire)
     }
 
     /// Pushes slots on a stream's dirty stack in one go.

@@ -478,13 +478,21 @@ impl Heap {
                 best = Some((key.0, key.1, start, ids));
             }
         };
-        let mut seen: Vec<u64> = Vec::new();
+        // Ranges a walk passed: a seed among them is in a neighbourhood
+        // already walked, whole (each walk runs from the neighbourhood's
+        // first range to its last), so every range is walked once however
+        // many pending ranges a neighbourhood holds (walking left from
+        // each seed made a neighbourhood of n of them cost n^2).
+        let mut walked: rustc_hash::FxHashSet<u64> = Default::default();
         let seeds = self
             .by_tag
             .iter()
             .filter(|(t, _)| matches!(t, Tag::Pending(id) if usable(*id)))
             .flat_map(|(_, set)| set.iter().map(|(_, addr)| addr));
         for seed in seeds {
+            if walked.contains(&seed) {
+                continue;
+            }
             // The first free, usable range of the neighbourhood.
             let mut lo = seed;
             while let Some((pa, pr)) = self.by_addr.range_ending_at(lo) {
@@ -493,13 +501,10 @@ impl Heap {
                 }
                 lo = pa;
             }
-            if seen.contains(&lo) {
-                continue;
-            }
-            seen.push(lo);
             // Its backed runs, left to right.
             let mut a = lo;
             while let Some(r) = self.by_addr.get(a).filter(|r| ok(r.tag)) {
+                walked.insert(a);
                 for (pa, pl) in self.mapped_parts(a, r.len) {
                     let joins = run
                         .last()
