@@ -322,9 +322,13 @@ impl SimStream {
             let Some(q) = tx.as_ref() else {
                 return Err(Error::InvalidHandle("stream was destroyed".into()));
             };
+            let mut c = self.on_clock.lock();
+            if c.is_empty() {
+                drop(c);
+                return Ok(tx);
+            }
             let now = clock_ns();
             let first = {
-                let mut c = self.on_clock.lock();
                 while c.front().is_some_and(|&t| t <= now) {
                     c.pop_front();
                 }
@@ -333,6 +337,7 @@ impl SimStream {
                     _ => None,
                 }
             };
+            drop(c);
             let Some(first) = first else {
                 return Ok(tx);
             };
@@ -362,9 +367,11 @@ impl SimStream {
         // The clock's deadline goes on the queue first: the worker runs
         // `op` after it.
         let until = self.busy_until.swap(0, Relaxed);
-        self.on_clock.lock().clear();
-        if until > clock_ns() {
-            send(Op::Until(until))?;
+        if until != 0 {
+            self.on_clock.lock().clear();
+            if until > clock_ns() {
+                send(Op::Until(until))?;
+            }
         }
         send(op)
     }
@@ -408,14 +415,19 @@ impl SimStream {
         if self.in_flight.load(Acquire) != 0 {
             return Ok(false);
         }
-        // Busy on the clock only: the capture completes at the deadline.
+        // Busy on the clock only: the capture completes at the deadline
+        // (0: none; one that passed is cleared, sparing the next read of
+        // the clock).
         let until = self.busy_until.load(Relaxed);
-        if until > clock_ns() {
-            self.queue_on_clock(until);
-            ev.complete_at(seq, until);
-        } else {
-            ev.complete(seq);
+        if until != 0 {
+            if until > clock_ns() {
+                self.queue_on_clock(until);
+                ev.complete_at(seq, until);
+                return Ok(true);
+            }
+            self.busy_until.store(0, Relaxed);
         }
+        ev.complete(seq);
         Ok(true)
     }
 
@@ -424,7 +436,8 @@ impl SimStream {
     /// time-only work on the clock has run at its deadline.
     pub(crate) fn is_idle(&self) -> Result<bool> {
         self.check_open()?;
-        Ok(self.in_flight.load(Acquire) == 0 && self.busy_until.load(Relaxed) <= clock_ns())
+        let until = self.busy_until.load(Relaxed);
+        Ok(self.in_flight.load(Acquire) == 0 && (until == 0 || until <= clock_ns()))
     }
 
     /// An error if the stream was destroyed.
