@@ -49,7 +49,10 @@ fn traffic(stop: &AtomicBool, lives: &AtomicU64) -> Seen {
                 false
             }
             other => {
-                seen.unexpected.push(format!("{what}: status {other}"));
+                seen.unexpected.push(format!(
+                    "{what}: status {other} life {life} now {}",
+                    lives.load(Relaxed)
+                ));
                 false
             }
         }

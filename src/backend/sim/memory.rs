@@ -168,6 +168,9 @@ pub(super) struct DeviceMemory {
     next_fake_va: u64,
 }
 
+/// Fake address spaces handed out by this process (accounting mode).
+static FAKE_SPACES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 fn os_err(call: &'static str) -> Error {
     Error::backend(call, std::io::Error::last_os_error().to_string())
 }
@@ -206,8 +209,14 @@ impl DeviceMemory {
             chunks: ChunkTable::default(),
             reservations: BTreeMap::new(),
             segments: BTreeMap::new(),
-            // Distinct, recognisable fake address spaces per device.
-            next_fake_va: 0x1000_0000_0000 + ((device as u64) << 40),
+            // A fake address space of its own (1 TiB apart, 96 before one
+            // repeats): an address of another device, or of a simulator
+            // dropped earlier (a runtime shut down and started again), is
+            // unknown here rather than memory this one handed out, so a
+            // stale pointer is refused as unknown and never frees a block
+            // of the new life.
+            next_fake_va: 0x1000_0000_0000
+                + ((FAKE_SPACES.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 96) << 40),
         })
     }
 

@@ -132,9 +132,13 @@ impl SimEvent {
         self.cv.notify_all();
     }
 
-    /// Capture `seq` completes on the clock at `at`.
+    /// Capture `seq` completes on the clock at `at`. Captures already due
+    /// are settled first, so an event recorded again and again and never
+    /// queried keeps only those still to complete.
     fn complete_at(&self, seq: u64, at: u64) {
-        self.state.lock().due.push((seq, at));
+        let mut s = self.state.lock();
+        s.settle();
+        s.due.push((seq, at));
     }
 
     /// Blocks until capture `seq` has completed.
