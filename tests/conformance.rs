@@ -813,6 +813,34 @@ fn sim_accounting_mode_tracks_bytes_without_backing() {
     assert_eq!(s.used_bytes(0), 0);
 }
 
+/// Sim only: in accounting mode each simulator's devices take fresh fake
+/// addresses, so a pointer of a simulator dropped earlier (a runtime shut
+/// down and started again) is never one a later simulator hands out.
+#[test]
+fn sim_fake_addresses_are_not_reused_by_a_later_simulator() {
+    let cfg = || SimConfig {
+        devices: 2,
+        backing: gpupool::backend::sim::SimBacking::Accounting,
+        ..Default::default()
+    };
+    let g = SimBackend::new(cfg()).unwrap().config().granularity;
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let s = SimBackend::new(cfg()).unwrap();
+        for d in 0..2 {
+            let va = s.reserve_va(d, 4 * g).unwrap();
+            let seg = s.alloc_segment(d, 4096).unwrap();
+            seen.push((va.addr(), 4 * g));
+            seen.push((seg.addr(), 4096));
+        }
+    }
+    for (i, &(a, al)) in seen.iter().enumerate() {
+        for &(b, bl) in &seen[i + 1..] {
+            assert!(a + al <= b || b + bl <= a, "{a:#x} and {b:#x} overlap");
+        }
+    }
+}
+
 #[test]
 fn sim_streams_are_asynchronous_fifos() {
     let s = sim();
