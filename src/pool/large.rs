@@ -72,6 +72,7 @@ impl PoolShared {
             }
             cleaned
         };
+        let busy = idle.busy().to_vec();
         drop(idle);
         // Memory whose uses are complete, by any stream, before growing:
         // other streams' dirty memory is flushed (one event per busy stream,
@@ -92,7 +93,7 @@ impl PoolShared {
             )
         };
         if flush_others {
-            self.reclaim();
+            self.reclaim_knowing_busy(&busy);
         } else if !self.no_pending() {
             self.try_harvest();
         }

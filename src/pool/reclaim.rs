@@ -384,6 +384,13 @@ impl PoolShared {
     /// `event_pool.rs`): both are taken before it is recorded, so it
     /// covers both.
     pub(super) fn flush_slot(&self, slot: usize, core: &Arc<StreamCore>) {
+        self.flush_slot_as(slot, core, false);
+    }
+
+    /// [`PoolShared::flush_slot`]; `known_busy`: a query just found the
+    /// stream busy, and it is not asked again (only an idle answer changes
+    /// what the flush does, and a stream busy microseconds ago rarely is).
+    fn flush_slot_as(&self, slot: usize, core: &Arc<StreamCore>, known_busy: bool) {
         // The small slots first (any taken before the record is covered by
         // it). Slots still waiting on other streams (see `returning.rs`,
         // invariant 2): they join the stream's dirty slots, and their
@@ -439,7 +446,7 @@ impl PoolShared {
         // Everything collected was freed before this query: if the stream
         // has run all its work, it is all clean now, with no event (slots
         // still waiting on other streams excepted: those take the record).
-        if returned.is_empty() && self.stream_idle(core) {
+        if returned.is_empty() && !known_busy && self.stream_idle(core) {
             if let Some(id) = group {
                 let mut h = self.heap.lock();
                 // Unless a host sync of the stream completed it meanwhile.
@@ -515,6 +522,12 @@ impl PoolShared {
     /// the flush; the last reference may retire a stream here, after its
     /// flush and outside every lock.
     pub(crate) fn flush_all_streams(&self) {
+        self.flush_all_streams_knowing_busy(&[]);
+    }
+
+    /// [`PoolShared::flush_all_streams`], the streams of slots in `busy`
+    /// not asked whether they are idle (see `flush_slot`).
+    fn flush_all_streams_knowing_busy(&self, busy: &[u16]) {
         // What a flush makes pending cannot be harvested during a capture,
         // and a capturing stream must not record: wait for its end.
         if self.capture.underway() {
@@ -523,7 +536,7 @@ impl PoolShared {
         let live = self.streams.live();
         for s in &live {
             if let Some(slot) = s.slot() {
-                self.flush_slot(slot as usize, s.core());
+                self.flush_slot_as(slot as usize, s.core(), busy.contains(&slot));
             }
         }
         drop(live);
@@ -547,8 +560,14 @@ impl PoolShared {
     /// stream's dirty memory (the requester gets its own back by handover),
     /// harvests, and retires empty slabs.
     pub(super) fn reclaim(&self) {
+        self.reclaim_knowing_busy(&[]);
+    }
+
+    /// [`PoolShared::reclaim`] right after a query found the streams of
+    /// `busy` busy: their flushes record an event without asking again.
+    pub(super) fn reclaim_knowing_busy(&self, busy: &[u16]) {
         super::magazine::flush_for(self);
-        self.flush_all_streams();
+        self.flush_all_streams_knowing_busy(busy);
         self.harvest();
         self.retire_empty_slabs();
     }
