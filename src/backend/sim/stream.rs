@@ -139,6 +139,9 @@ impl SimEvent {
         let mut s = self.state.lock();
         s.settle();
         s.due.push((seq, at));
+        // A waiter that found the capture pending before it was due waits
+        // with no timeout: it must look again, and wait until `at`.
+        self.cv.notify_all();
     }
 
     /// Blocks until capture `seq` has completed.
@@ -565,4 +568,36 @@ pub fn count_mismatches(buf: &[u8], seed: u64) -> u64 {
         }
     }
     bad
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A capture that becomes due on the clock after a waiter found it
+    /// pending (the record's two steps race a host sync on another thread)
+    /// wakes that waiter, which then waits until the capture's time.
+    #[test]
+    fn a_waiter_before_the_capture_is_due_wakes_at_its_time() {
+        let ev = Arc::new(SimEvent::new(0));
+        let seq = ev.begin_record();
+        let (tx, rx) = mpsc::channel();
+        let waiter = {
+            let ev = ev.clone();
+            std::thread::spawn(move || {
+                ev.wait_for(seq);
+                let _ = tx.send(clock_ns());
+            })
+        };
+        // The waiter is asleep with no timeout before the capture is due.
+        std::thread::sleep(Duration::from_millis(50));
+        let at = clock_ns() + Duration::from_millis(20).as_nanos() as u64;
+        ev.complete_at(seq, at);
+        let woke = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the waiter never woke");
+        assert!(woke >= at, "woke before the capture was due");
+        waiter.join().unwrap();
+        assert_eq!(ev.capture(seq), Capture::Done);
+    }
 }
