@@ -883,10 +883,21 @@ impl Backend for SimBackend {
         self.capture_check(dev, "cuEventRecord", Checked::Record(event, &st));
         self.event_fault(dev)?;
         let seq = ev.begin_record();
-        if self.inline_ok(dev, &st) && st.complete_if_idle(&ev, seq)? {
-            return Ok(());
+        let r = match self.inline_ok(dev, &st) {
+            true => st.complete_if_idle(&ev, seq),
+            false => Ok(false),
         }
-        self.push_op(dev, &st, Op::Complete(ev, seq))
+        .and_then(|done| match done {
+            true => Ok(()),
+            false => self.push_op(dev, &st, Op::Complete(ev.clone(), seq)),
+        });
+        // A record that failed (a destroyed stream) leaves the event as it
+        // was, as CUDA's does: a sync on it must not wait for a capture
+        // that nothing will complete.
+        if r.is_err() {
+            ev.abandon(seq);
+        }
+        r
     }
 
     fn query_event(&self, dev: usize, event: EventHandle) -> Result<bool> {

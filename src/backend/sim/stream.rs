@@ -132,6 +132,17 @@ impl SimEvent {
         self.cv.notify_all();
     }
 
+    /// Undoes [`SimEvent::begin_record`] of `seq`, whose record failed:
+    /// the event reads as before it (unless recorded again since).
+    pub(crate) fn abandon(&self, seq: u64) {
+        let mut s = self.state.lock();
+        s.pending.remove(&seq);
+        if s.recorded == seq {
+            s.recorded = seq - 1;
+        }
+        self.cv.notify_all();
+    }
+
     /// Capture `seq` completes on the clock at `at`. Captures already due
     /// are settled first, so an event recorded again and again and never
     /// queried keeps only those still to complete.
@@ -599,5 +610,27 @@ mod tests {
         assert!(woke >= at, "woke before the capture was due");
         waiter.join().unwrap();
         assert_eq!(ev.capture(seq), Capture::Done);
+    }
+
+    /// A record that failed after its capture began (its stream closed
+    /// meanwhile) is undone: the event reads as before, and a host sync on
+    /// it returns instead of waiting for a capture nothing will complete.
+    #[test]
+    fn an_abandoned_capture_leaves_the_event_as_it_was() {
+        let ev = SimEvent::new(0);
+        let first = ev.begin_record();
+        ev.complete(first);
+        let second = ev.begin_record();
+        assert!(!ev.is_complete());
+        ev.abandon(second);
+        assert!(ev.is_complete());
+        assert_eq!(ev.current(), first);
+        ev.wait_for(ev.current());
+        // Still pending before: still pending after.
+        let third = ev.begin_record();
+        let fourth = ev.begin_record();
+        ev.abandon(fourth);
+        assert_eq!(ev.current(), third);
+        assert!(!ev.is_complete());
     }
 }
