@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+mod clock;
 pub mod collective;
 pub mod compact;
 pub mod config;

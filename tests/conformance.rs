@@ -10,7 +10,7 @@
 
 use gpupool::backend::sim::{SimBackend, SimConfig};
 use gpupool::backend::{self, Backend, Call, Move};
-use gpupool::{BackendKind, DevicePtr, Error, StreamHandle};
+use gpupool::{BackendKind, DevicePtr, Error, EventHandle, StreamHandle};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -862,11 +862,9 @@ fn sim_streams_are_asynchronous_fifos() {
     assert_eq!(v[8], gpupool::backend::sim::pattern_byte(7, 8));
 }
 
-/// Sim only: a stream's queue is finite, like a launch queue. Behind a
-/// stalled stream, the pushes past the queue's depth block the host until
-/// the stall ends; the ones within it return at once.
-#[test]
-fn sim_full_launch_queue_blocks_the_host_until_the_stream_drains() {
+/// A simulator whose launch queues hold 4 operations, with a stream and
+/// an event on device 0.
+fn shallow_queue() -> (SimBackend, StreamHandle, EventHandle) {
     let sim = SimBackend::new(SimConfig {
         queue_depth: 4,
         ..sim_config()
@@ -874,6 +872,15 @@ fn sim_full_launch_queue_blocks_the_host_until_the_stream_drains() {
     .unwrap();
     let s = sim.create_stream(0).unwrap();
     let ev = sim.create_event(0).unwrap();
+    (sim, s, ev)
+}
+
+/// Sim only: a stream's queue is finite, like a launch queue. Behind a
+/// stalled stream, the pushes past the queue's depth block the host until
+/// the stall ends; the ones within it return at once.
+#[test]
+fn sim_full_launch_queue_blocks_the_host_until_the_stream_drains() {
+    let (sim, s, ev) = shallow_queue();
     let stall = Duration::from_millis(300);
     sim.stall_stream(0, s, stall).unwrap();
     let t = Instant::now();
@@ -906,13 +913,7 @@ fn sim_full_launch_queue_blocks_the_host_until_the_stream_drains() {
 /// operations are still to run.
 #[test]
 fn sim_launch_queue_counts_only_work_still_to_run() {
-    let sim = SimBackend::new(SimConfig {
-        queue_depth: 4,
-        ..sim_config()
-    })
-    .unwrap();
-    let s = sim.create_stream(0).unwrap();
-    let ev = sim.create_event(0).unwrap();
+    let (sim, s, ev) = shallow_queue();
     let t = Instant::now();
     sim.stall_stream(0, s, Duration::from_millis(40)).unwrap();
     for _ in 0..3 {

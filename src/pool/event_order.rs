@@ -33,19 +33,15 @@ use parking_lot::Mutex;
 use smallvec::SmallVec;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
 use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::sync::{Arc, LazyLock};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 /// How recently a query must have found one of a stream's events
 /// complete for the stream to count as progressing (see
 /// [`EventOrder::progressing`]).
 const PROGRESS_WINDOW: Duration = Duration::from_millis(50);
 
-/// Nanoseconds on a process-wide monotonic clock, never 0.
-pub(crate) fn now_ns() -> u64 {
-    static BASE: LazyLock<Instant> = LazyLock::new(Instant::now);
-    BASE.elapsed().as_nanos() as u64 + 1
-}
+pub(crate) use crate::clock::now_ns;
 
 /// The numbering of one stream's events.
 #[derive(Debug, Default)]

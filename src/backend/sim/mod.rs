@@ -883,13 +883,16 @@ impl Backend for SimBackend {
         self.capture_check(dev, "cuEventRecord", Checked::Record(event, &st));
         self.event_fault(dev)?;
         let seq = ev.begin_record();
-        let r = match self.inline_ok(dev, &st) {
-            true => st.complete_if_idle(&ev, seq),
-            false => Ok(false),
-        }
-        .and_then(|done| match done {
-            true => Ok(()),
-            false => self.push_op(dev, &st, Op::Complete(ev.clone(), seq)),
+        let inline = if self.inline_ok(dev, &st) {
+            st.complete_if_idle(&ev, seq)
+        } else {
+            Ok(false)
+        };
+        let r = inline.and_then(|done| {
+            if done {
+                return Ok(());
+            }
+            self.push_op(dev, &st, Op::Complete(ev.clone(), seq))
         });
         // A record that failed (a destroyed stream) leaves the event as it
         // was, as CUDA's does: a sync on it must not wait for a capture

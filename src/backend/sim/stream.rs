@@ -21,6 +21,7 @@
 //! worker ([`Op::Until`]).
 
 use crate::backend::Move;
+use crate::clock::now_ns as clock_ns;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::AtomicU64;
@@ -28,14 +29,8 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Release};
 use std::sync::mpsc;
-use std::sync::{Arc, LazyLock};
-use std::time::{Duration, Instant};
-
-/// Nanoseconds on the simulator's monotonic clock, never 0.
-pub(crate) fn clock_ns() -> u64 {
-    static BASE: LazyLock<Instant> = LazyLock::new(Instant::now);
-    BASE.elapsed().as_nanos() as u64 + 1
-}
+use std::sync::Arc;
+use std::time::Duration;
 
 /// State of one event, shared by the host and the stream workers.
 #[derive(Debug, Default)]
@@ -57,6 +52,11 @@ struct EventState {
 }
 
 impl EventState {
+    /// When pending capture `seq` completes on the clock, if it does.
+    fn due_at(&self, seq: u64) -> Option<u64> {
+        self.due.iter().find(|&&(q, _)| q == seq).map(|&(_, at)| at)
+    }
+
     /// Completes the captures due by now.
     fn settle(&mut self) {
         if self.due.is_empty() {
@@ -120,10 +120,7 @@ impl SimEvent {
         if !s.pending.contains(&seq) {
             return Capture::Done;
         }
-        match s.due.iter().find(|&&(q, _)| q == seq) {
-            Some(&(_, at)) => Capture::DueAt(at),
-            None => Capture::Queued,
-        }
+        s.due_at(seq).map_or(Capture::Queued, Capture::DueAt)
     }
 
     fn complete(&self, seq: u64) {
@@ -163,8 +160,8 @@ impl SimEvent {
             if !s.pending.contains(&seq) {
                 return;
             }
-            match s.due.iter().find(|&&(q, _)| q == seq) {
-                Some(&(_, at)) => {
+            match s.due_at(seq) {
+                Some(at) => {
                     let left = Duration::from_nanos(at.saturating_sub(clock_ns()));
                     self.cv.wait_for(&mut s, left);
                 }
