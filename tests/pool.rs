@@ -1416,6 +1416,60 @@ fn a_busy_streams_freed_memory_is_not_cleaned_by_a_query_and_asked_once() {
     dev.audit().unwrap();
 }
 
+/// A busy stream is not asked about at every pass of the pool's own: a
+/// "pending" answer holds for 10 us, doubling while the stream stays
+/// busy, up to 1 ms (`event_order.rs`), so thousands of maintenance
+/// passes make a few dozen queries where each used to make one; and an
+/// explicit harvest asks afresh, so once the stream has run its work
+/// the memory comes back at once.
+#[test]
+fn a_busy_stream_is_asked_about_with_backoff_and_its_memory_still_comes_back() {
+    use gpupool::backend::Call;
+    use std::time::Instant;
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let sim = sim_of(dev);
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let a = dev.alloc((16 * MIB) as usize, &s2).unwrap();
+    a.record_stream(&s1);
+    let busy = Busy::hold(sim, &s1);
+    drop(a);
+    // s2's event completes at once; s1's waits behind the stall.
+    let queries = driver_calls(dev, Call::EventQuery);
+    let t0 = Instant::now();
+    // Queries allowed after `ms` milliseconds: s2's, the doublings up to
+    // the longest hold, then one a millisecond, with slack for a
+    // maintenance pass racing this thread's.
+    let allowed = |ms: u128| 16 + 2 * ms as u64;
+    let mut passes = 0u64;
+    while passes < 2_000 || passes < 20 * allowed(t0.elapsed().as_millis()) {
+        dev.maintain();
+        passes += 1;
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "{passes} passes took a second"
+        );
+    }
+    let asked = driver_calls(dev, Call::EventQuery) - queries;
+    let ms = t0.elapsed().as_millis();
+    assert!(
+        asked <= allowed(ms),
+        "{asked} event queries in {passes} maintenance passes over {ms} ms"
+    );
+    assert!(
+        dev.stats().pending_bytes.current > 0,
+        "released while s1 was busy"
+    );
+    busy.release();
+    dev.harvest();
+    assert_eq!(
+        dev.stats().pending_bytes.current,
+        0,
+        "s1 is done, yet an explicit harvest left its memory pending"
+    );
+    dev.audit().unwrap();
+}
+
 /// A stream query that fails counts as a busy stream: the memory stays
 /// its stream's and the request is served the other way (a flush, with
 /// an event), with nothing lost and the heap consistent.

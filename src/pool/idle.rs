@@ -75,7 +75,10 @@ impl PoolShared {
     /// stream; first `cuStreamIsCapturing` (a query would invalidate a
     /// capture the pool was not told of), and the query itself inside the
     /// capture handshake: a capture that begins meanwhile sees it in
-    /// flight, or it sees the capture. An error reads as busy.
+    /// flight, or it sees the capture. An error reads as busy. A stream
+    /// found busy lately is not asked again until its hold runs out (see
+    /// `event_order.rs`): a miss asks every stream holding freed memory,
+    /// and a busy stream's answer cannot change within microseconds.
     pub(super) fn stream_idle(&self, core: &StreamCore) -> bool {
         if core.is_dead()
             || core
@@ -84,12 +87,22 @@ impl PoolShared {
         {
             return false;
         }
+        let now = super::event_order::now_ns();
+        if core.order.busy_lately(now) {
+            return false;
+        }
         let (dev, h) = (self.dev, core.handle);
-        matches!(self.backend.stream_capturing(dev, h), Ok(false))
+        let idle = matches!(self.backend.stream_capturing(dev, h), Ok(false))
             && matches!(
                 self.outside_capture(|| self.backend.query_stream(dev, h)),
                 Some(Ok(true))
-            )
+            );
+        if idle {
+            core.order.found_idle();
+        } else {
+            core.order.found_busy(now);
+        }
+        idle
     }
 
     /// Asks each stream that holds freed memory (dirty heap ranges or

@@ -120,7 +120,7 @@ impl PoolShared {
         // Twice at most: a probe recorded in the first round is queried
         // in the second (an idle stream completes the promise at once).
         for round in 0..2 {
-            let in_flight = self.query_probes(&p.mark);
+            let in_flight = self.query_probes(&p.mark, progress.hold_clock());
             if p.mark.known_done() {
                 return true;
             }
@@ -150,7 +150,10 @@ impl PoolShared {
     /// Queries the probes in flight on `m`'s stream, newest first (one
     /// found complete completes the older ones), outside its lock; pools
     /// the events of those done. Returns the newest still in flight.
-    fn query_probes(&self, m: &Mark) -> Option<(Mark, EventHandle)> {
+    ///
+    /// With the pass's time `now`, a probe found pending recently counts
+    /// as in flight without a query (see `event_order.rs`).
+    fn query_probes(&self, m: &Mark, now: Option<u64>) -> Option<(Mark, EventHandle)> {
         let mut mine = m.order.probes.lock().clone();
         if mine.is_empty() {
             return None;
@@ -162,9 +165,18 @@ impl PoolShared {
         };
         let mut in_flight = None;
         for (seq, ev) in mine {
-            if m.order.done_through(seq) || self.event_done(ev) {
-                mark(seq).completed();
+            if m.order.done_through(seq) {
                 break;
+            }
+            let held = now.is_some_and(|t| mark(seq).recently_pending(t));
+            if !held {
+                if self.event_done(ev) {
+                    mark(seq).completed();
+                    break;
+                }
+                if let Some(t) = now {
+                    mark(seq).found_pending(t);
+                }
             }
             if in_flight.is_none() {
                 in_flight = Some((mark(seq), ev));
@@ -227,8 +239,14 @@ impl PoolShared {
     /// Blocks the host until every use `w` waits for completed (trim, the
     /// way to out of memory, teardown).
     pub(super) fn host_sync_waits(&self, w: &Waits) -> crate::error::Result<()> {
-        for &e in &w.events {
+        for (i, &e) in w.events.iter().enumerate() {
             self.host_sync_event(e)?;
+            // Known complete from here on: a "pending" answer that still
+            // holds (`event_order.rs`) must not keep what the host waited
+            // for from the harvest that follows.
+            if let Some(m) = w.mark(i) {
+                m.completed();
+            }
         }
         for s in &w.unrecorded {
             if !s.is_dead() {
@@ -247,7 +265,7 @@ impl PoolShared {
     fn host_complete(&self, p: &Promise) -> crate::error::Result<()> {
         let mut recorded = false;
         for _ in 0..3 {
-            let in_flight = self.query_probes(&p.mark);
+            let in_flight = self.query_probes(&p.mark, None);
             if p.mark.known_done() || p.core.is_dead() {
                 return Ok(());
             }

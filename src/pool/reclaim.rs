@@ -31,13 +31,13 @@ impl PoolShared {
             if mark.is_some_and(Mark::known_done) {
                 return true;
             }
-            if mark.is_some_and(|m| progress.known_pending(m)) {
+            if mark.is_some_and(|m| progress.skips(m, e)) {
                 return false;
             }
             let done = self.event_done(e);
             match mark {
                 Some(m) if done => m.completed(),
-                Some(m) => progress.note_pending(m, e),
+                Some(m) => progress.found_pending(m, e),
                 None if !done => progress.unmarked_pending = true,
                 None => {}
             }
@@ -77,11 +77,10 @@ impl PoolShared {
     }
 
     /// [`PoolShared::waits_done_in`] on its own, in a pass that may be
-    /// `urgent` (its promises get probes at once, see `probes.rs`).
-    pub(super) fn waits_done(&self, w: &Waits, urgent: bool) -> bool {
-        let mut progress = Progress::default();
-        progress.urgent = urgent;
-        self.waits_done_in(w, &mut progress)
+    /// `urgent` (its promises get probes at once, see `probes.rs`) or
+    /// `fresh` (no hold applies, see `event_order.rs`).
+    pub(super) fn waits_done(&self, w: &Waits, urgent: bool, fresh: bool) -> bool {
+        self.waits_done_in(w, &mut Progress::new(urgent, fresh))
     }
 
     pub(super) fn recycle_events(&self, w: Waits) {
@@ -142,7 +141,18 @@ impl PoolShared {
         if self.capture.underway() {
             return 0;
         }
-        self.harvest_with(self.harvest_gate.lock(), true, true)
+        self.harvest_with(self.harvest_gate.lock(), true, true, false)
+    }
+
+    /// [`PoolShared::harvest`] asking about every event afresh, with no
+    /// "pending" answer held from an earlier pass (see `event_order.rs`):
+    /// an explicit [`DevicePool::harvest`](super::DevicePool::harvest)
+    /// releases everything whose uses completed.
+    pub(super) fn harvest_now(&self) -> usize {
+        if self.capture.underway() {
+            return 0;
+        }
+        self.harvest_with(self.harvest_gate.lock(), true, true, true)
     }
 
     /// [`PoolShared::harvest`] for the maintenance step: promises get
@@ -151,7 +161,7 @@ impl PoolShared {
         if self.capture.underway() {
             return 0;
         }
-        self.harvest_with(self.harvest_gate.lock(), false, false)
+        self.harvest_with(self.harvest_gate.lock(), false, false, false)
     }
 
     /// [`PoolShared::harvest`] unless another thread is harvesting (then
@@ -162,7 +172,7 @@ impl PoolShared {
             return 0;
         }
         match self.harvest_gate.try_lock() {
-            Some(gate) => self.harvest_with(gate, true, false),
+            Some(gate) => self.harvest_with(gate, true, false, false),
             None => 0,
         }
     }
@@ -172,23 +182,25 @@ impl PoolShared {
     /// after the probe interval; `settle_urgent` those of the returning
     /// slots too (not on an allocation's path: a returning slot is its
     /// stream's, which settles it when its stacks miss). See `probes.rs`.
+    /// `fresh`: no "pending" answer of an earlier pass holds (see
+    /// `event_order.rs`).
     fn harvest_with(
         &self,
         mut gate: parking_lot::MutexGuard<'_, HarvestGate>,
         urgent: bool,
         settle_urgent: bool,
+        fresh: bool,
     ) -> usize {
-        let mut released = self.harvest_quarantine(&mut Progress::default());
-        released += self.settle_all_returning(settle_urgent);
+        let mut released = self.harvest_quarantine(&mut Progress::new(false, fresh));
+        released += self.settle_all_returning(settle_urgent, fresh);
         if self.no_pending() {
             return released;
         }
         self.counters.harvests.fetch_add(1, Relaxed);
         let epoch = self.kept.epoch();
-        let mut progress = Progress::default();
-        progress.urgent = urgent;
+        let mut progress = Progress::new(urgent, fresh);
         let mut records = self.pending.take_all();
-        if gate.kept_unchanged(epoch, |e| self.event_done(e)) {
+        if gate.kept_unchanged(epoch, &mut progress, |e| self.event_done(e)) {
             // What the kept records wait for is pending: the pass starts
             // from that knowledge and looks at the new records only.
             gate.seed(&mut progress);
@@ -838,9 +850,15 @@ const FULL_PASS_EVERY: u32 = 32;
 
 impl HarvestGate {
     /// Whether the kept records are as the last pass left them and none
-    /// of the earliest events they wait for completed (`query`). Settles
-    /// an event it finds complete.
-    fn kept_unchanged(&mut self, epoch: u64, mut query: impl FnMut(EventHandle) -> bool) -> bool {
+    /// of the earliest events they wait for completed (`query`, unless
+    /// one was found pending recently: see `event_order.rs`). Settles an
+    /// event it finds complete.
+    fn kept_unchanged(
+        &mut self,
+        epoch: u64,
+        progress: &mut Progress,
+        mut query: impl FnMut(EventHandle) -> bool,
+    ) -> bool {
         if self.epoch != Some(epoch) || self.partial >= FULL_PASS_EVERY {
             return false;
         }
@@ -848,10 +866,14 @@ impl HarvestGate {
             if m.known_done() {
                 return false;
             }
+            if progress.hold_clock().is_some_and(|t| m.recently_pending(t)) {
+                continue;
+            }
             if query(*e) {
                 m.completed();
                 return false;
             }
+            m.found_pending(progress.now());
         }
         true
     }

@@ -180,7 +180,7 @@ impl PoolShared {
         // the stream's probes follow the interval (see `probes.rs`).
         let done = self.returning.settle(
             slot,
-            |w| self.waits_done(w, false),
+            |w| self.waits_done(w, false, false),
             |s| self.give_back(slot, s),
         );
         let any = !done.is_empty();
@@ -192,8 +192,9 @@ impl PoolShared {
 
     /// [`PoolShared::settle_returning`] for every slot (a harvest): how
     /// many slots were given back.
-    /// `urgent`: promises get probes at once (see `probes.rs`).
-    pub(super) fn settle_all_returning(&self, urgent: bool) -> usize {
+    /// `urgent`: promises get probes at once (see `probes.rs`); `fresh`:
+    /// no hold applies (see `event_order.rs`).
+    pub(super) fn settle_all_returning(&self, urgent: bool, fresh: bool) -> usize {
         if self.returning.is_empty() || self.capture.underway() {
             return 0;
         }
@@ -204,7 +205,7 @@ impl PoolShared {
             }
             let done = self.returning.settle(
                 slot,
-                |w| self.waits_done(w, urgent),
+                |w| self.waits_done(w, urgent, fresh),
                 |s| self.give_back(slot, s),
             );
             n += done.len();

@@ -429,7 +429,7 @@ impl PoolShared {
         while i < arena.fenced.len() {
             let (a, l, w) = &arena.fenced[i];
             if *a < addr + len && addr < a + l {
-                if !self.waits_done(w, false) && self.wait_on(stream, w).is_err() {
+                if !self.waits_done(w, false, false) && self.wait_on(stream, w).is_err() {
                     return false;
                 }
                 let (_, l, w) = arena.fenced.swap_remove(i);
@@ -446,7 +446,7 @@ impl PoolShared {
     fn lift_fences(&self, arena: &mut Arena) {
         let mut i = 0;
         while i < arena.fenced.len() {
-            if self.waits_done(&arena.fenced[i].2, false) {
+            if self.waits_done(&arena.fenced[i].2, false, false) {
                 let (_, l, w) = arena.fenced.swap_remove(i);
                 arena.fenced_bytes -= l;
                 self.recycle_events(w);
