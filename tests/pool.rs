@@ -1418,10 +1418,10 @@ fn a_busy_streams_freed_memory_is_not_cleaned_by_a_query_and_asked_once() {
 
 /// A busy stream is not asked about at every pass of the pool's own: a
 /// "pending" answer holds for 10 us, doubling while the stream stays
-/// busy, up to 1 ms (`event_order.rs`), so thousands of maintenance
-/// passes make a few dozen queries where each used to make one; and an
-/// explicit harvest asks afresh, so once the stream has run its work
-/// the memory comes back at once.
+/// busy, up to 50 us (`event_order.rs`), so maintenance passes a few
+/// microseconds apart make one query per 50 us where each used to make
+/// one; and an explicit harvest asks afresh, so once the stream has run
+/// its work the memory comes back at once.
 #[test]
 fn a_busy_stream_is_asked_about_with_backoff_and_its_memory_still_comes_back() {
     use gpupool::backend::Call;
@@ -1437,12 +1437,14 @@ fn a_busy_stream_is_asked_about_with_backoff_and_its_memory_still_comes_back() {
     // s2's event completes at once; s1's waits behind the stall.
     let queries = driver_calls(dev, Call::EventQuery);
     let t0 = Instant::now();
-    // Queries allowed after `ms` milliseconds: s2's, the doublings up to
-    // the longest hold, then one a millisecond, with slack for a
+    // Queries allowed after `us` microseconds: s2's, the doublings up to
+    // the longest hold, then one per 50 us, twice over for a
     // maintenance pass racing this thread's.
-    let allowed = |ms: u128| 16 + 2 * ms as u64;
+    let allowed = |us: u128| 16 + 2 * (us / 50) as u64;
     let mut passes = 0u64;
-    while passes < 2_000 || passes < 20 * allowed(t0.elapsed().as_millis()) {
+    // As many passes as it takes to tell a hold from none (four times
+    // the queries allowed), however fast a pass runs here.
+    while passes < 1_000 || passes < 4 * allowed(t0.elapsed().as_micros()) {
         dev.maintain();
         passes += 1;
         assert!(
@@ -1451,10 +1453,10 @@ fn a_busy_stream_is_asked_about_with_backoff_and_its_memory_still_comes_back() {
         );
     }
     let asked = driver_calls(dev, Call::EventQuery) - queries;
-    let ms = t0.elapsed().as_millis();
+    let us = t0.elapsed().as_micros();
     assert!(
-        asked <= allowed(ms),
-        "{asked} event queries in {passes} maintenance passes over {ms} ms"
+        asked <= allowed(us),
+        "{asked} event queries in {passes} maintenance passes over {us} us"
     );
     assert!(
         dev.stats().pending_bytes.current > 0,

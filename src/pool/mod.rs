@@ -475,7 +475,7 @@ impl DevicePool {
     /// Harvests completed pending frees without blocking; returns how many
     /// records were released. Every event is asked about afresh: the
     /// pool's own passes take an event found pending a moment ago as
-    /// still pending for a short while (10 µs to 1 ms), this call does not.
+    /// still pending for a short while (10 to 50 µs), this call does not.
     pub fn harvest(&self) -> usize {
         self.shared.harvest_now()
     }
