@@ -18,11 +18,15 @@
 //!   A pass first queries each stream's latest pending event:
 //!   when it completed, so did all the stream's earlier ones, and the pass
 //!   makes one query for that stream.
-//! - A "pending" answer holds for [`PENDING_HOLDS`] across passes: within
-//!   that time of a query that found an event pending, that event and the
-//!   later ones of its stream count as pending without a query
-//!   ([`Mark::recently_pending`]). It only ever delays a release: nothing
-//!   is taken as complete that a query did not find complete.
+//! - A "pending" answer holds across passes, for [`PENDING_HOLDS`] and
+//!   doubling while the stream stays pending, up to
+//!   [`PENDING_HOLDS_AT_MOST`]: within the hold of a query that found an
+//!   event pending, that event and the later ones of its stream count as
+//!   pending without a query ([`Mark::recently_pending`]), and a stream
+//!   query takes the stream as busy ([`EventOrder::busy_lately`]). A hold
+//!   only ever delays a release: nothing is taken as complete that a
+//!   query or a host wait did not find complete, and a fresh pass
+//!   ([`Progress::new`]) applies none.
 //! - Events recorded elsewhere than on the stream's own handle (another
 //!   thread's per-thread default stream is recorded on the legacy one)
 //!   carry no mark: they are always queried.
@@ -59,11 +63,6 @@ const PROGRESS_WINDOW: Duration = Duration::from_millis(50);
 /// more than the longest hold.
 pub(crate) const PENDING_HOLDS: Duration = Duration::from_micros(10);
 
-/// How recently a query must have found one of a stream's events pending
-/// for a sweep to ask about the stream's oldest event first (see
-/// [`Sweep::settle`]).
-const BUSY_WINDOW: Duration = Duration::from_micros(100);
-
 /// The longest hold (see [`PENDING_HOLDS`]): a stalled stream is asked
 /// about once per this much time. It stays under the work a busy stream
 /// runs between frees, or its freed memory comes back late and the pool
@@ -71,6 +70,11 @@ const BUSY_WINDOW: Duration = Duration::from_micros(100);
 /// (`stress --kernel-percent 10 --kernel-us 50`, 6 seeds) peaked 10-20%
 /// higher with 1 ms, 6% with 100 us, and as with no hold with 50 us.
 pub(crate) const PENDING_HOLDS_AT_MOST: Duration = Duration::from_micros(50);
+
+/// How recently a query must have found one of a stream's events pending
+/// for a sweep to ask about the stream's oldest event first (see
+/// [`Sweep::settle`]).
+const BUSY_WINDOW: Duration = Duration::from_micros(100);
 
 pub(crate) use crate::clock::now_ns;
 
