@@ -302,10 +302,16 @@ impl Progress {
         }
     }
 
-    /// The pass's time for holds: one clock read per pass; `None` in a
-    /// fresh pass (no hold applies).
-    pub(crate) fn hold_clock(&mut self) -> Option<u64> {
-        (!self.fresh).then(|| self.now())
+    /// Whether a "pending" answer of an earlier pass still holds for `m`
+    /// (never in a fresh pass).
+    pub(crate) fn held(&mut self, m: &Mark) -> bool {
+        !self.fresh && m.recently_pending(self.now())
+    }
+
+    /// A query found `m` pending: the hold starts or grows (see
+    /// [`Mark::found_pending`]).
+    pub(crate) fn saw_pending(&mut self, m: &Mark) {
+        m.found_pending(self.now());
     }
 
     /// The pass's time: one clock read per pass.
@@ -324,10 +330,7 @@ impl Progress {
         if self.known_pending(m) {
             return true;
         }
-        let Some(now) = self.hold_clock() else {
-            return false;
-        };
-        if m.recently_pending(now) {
+        if self.held(m) {
             self.note_pending(m, ev);
             return true;
         }
@@ -336,8 +339,7 @@ impl Progress {
 
     /// A query made in this pass found `ev` (numbered `m`) pending.
     pub(crate) fn found_pending(&mut self, m: &Mark, ev: EventHandle) {
-        let now = self.now();
-        m.found_pending(now);
+        self.saw_pending(m);
         self.note_pending(m, ev);
     }
 

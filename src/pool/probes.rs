@@ -120,7 +120,7 @@ impl PoolShared {
         // Twice at most: a probe recorded in the first round is queried
         // in the second (an idle stream completes the promise at once).
         for round in 0..2 {
-            let in_flight = self.query_probes(&p.mark, progress.hold_clock());
+            let in_flight = self.query_probes(&p.mark, progress);
             if p.mark.known_done() {
                 return true;
             }
@@ -150,10 +150,9 @@ impl PoolShared {
     /// Queries the probes in flight on `m`'s stream, newest first (one
     /// found complete completes the older ones), outside its lock; pools
     /// the events of those done. Returns the newest still in flight.
-    ///
-    /// With the pass's time `now`, a probe found pending recently counts
-    /// as in flight without a query (see `event_order.rs`).
-    fn query_probes(&self, m: &Mark, now: Option<u64>) -> Option<(Mark, EventHandle)> {
+    /// In `progress`'s pass, a probe found pending recently counts as in
+    /// flight without a query (see `event_order.rs`).
+    fn query_probes(&self, m: &Mark, progress: &mut Progress) -> Option<(Mark, EventHandle)> {
         let mut mine = m.order.probes.lock().clone();
         if mine.is_empty() {
             return None;
@@ -168,15 +167,12 @@ impl PoolShared {
             if m.order.done_through(seq) {
                 break;
             }
-            let held = now.is_some_and(|t| mark(seq).recently_pending(t));
-            if !held {
+            if !progress.held(&mark(seq)) {
                 if self.event_done(ev) {
                     mark(seq).completed();
                     break;
                 }
-                if let Some(t) = now {
-                    mark(seq).found_pending(t);
-                }
+                progress.saw_pending(&mark(seq));
             }
             if in_flight.is_none() {
                 in_flight = Some((mark(seq), ev));
@@ -265,7 +261,7 @@ impl PoolShared {
     fn host_complete(&self, p: &Promise) -> crate::error::Result<()> {
         let mut recorded = false;
         for _ in 0..3 {
-            let in_flight = self.query_probes(&p.mark, None);
+            let in_flight = self.query_probes(&p.mark, &mut Progress::new(false, true));
             if p.mark.known_done() || p.core.is_dead() {
                 return Ok(());
             }

@@ -866,14 +866,14 @@ impl HarvestGate {
             if m.known_done() {
                 return false;
             }
-            if progress.hold_clock().is_some_and(|t| m.recently_pending(t)) {
+            if progress.held(m) {
                 continue;
             }
             if query(*e) {
                 m.completed();
                 return false;
             }
-            m.found_pending(progress.now());
+            progress.saw_pending(m);
         }
         true
     }
