@@ -1895,3 +1895,68 @@ fn requested_sizes_stay_with_their_slots_through_the_magazine() {
     }
     dev.audit().unwrap();
 }
+
+/// A stream whose own small slots of a class ran dry takes another
+/// stream's freed slots once a query finds that stream idle, before a
+/// new slab: on many streams each stream's share of a class drifts, and
+/// the pool made and retired a slab at every drift.
+#[test]
+fn an_idle_streams_freed_small_slots_serve_another_stream_before_a_new_slab() {
+    use gpupool::backend::Call;
+    use std::collections::HashSet;
+    let rt = sim_runtime_with("thread_cache=false");
+    let dev = rt.device(0).unwrap();
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let a: Vec<_> = (0..64).map(|_| dev.alloc(4096, &s1).unwrap()).collect();
+    let freed: HashSet<u64> = a.iter().map(|b| b.ptr().0).collect();
+    drop(a);
+    let reserved = dev.stats().reserved_bytes.current;
+    let (records, queries) = (
+        driver_calls(dev, Call::EventRecord),
+        driver_calls(dev, Call::StreamQuery),
+    );
+    let b: Vec<_> = (0..64).map(|_| dev.alloc(4096, &s2).unwrap()).collect();
+    let got: HashSet<u64> = b.iter().map(|b| b.ptr().0).collect();
+    assert_eq!(got, freed, "s2 did not get s1's freed slots");
+    assert_eq!(dev.stats().reserved_bytes.current, reserved, "grew");
+    assert_eq!(driver_calls(dev, Call::EventRecord), records, "an event");
+    assert!(
+        driver_calls(dev, Call::StreamQuery) > queries,
+        "s1 not asked"
+    );
+    dev.audit().unwrap();
+    drop(b);
+    dev.audit().unwrap();
+}
+
+/// While that stream still runs work on them, its freed small slots stay
+/// its own: the other stream gets other memory, which the late write on
+/// the first stream never reaches.
+#[test]
+fn a_busy_streams_freed_small_slots_stay_its_own() {
+    let rt = sim_runtime_with("thread_cache=false");
+    let dev = rt.device(0).unwrap();
+    let sim = sim_of(dev);
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let a: Vec<_> = (0..64).map(|_| dev.alloc(4096, &s1).unwrap()).collect();
+    let busy = Busy::hold(sim, &s1);
+    for b in &a {
+        sim.launch_write_pattern(0, s1.handle(), b.ptr(), 4096, 7, Duration::ZERO)
+            .unwrap();
+    }
+    drop(a);
+    let b: Vec<_> = (0..64).map(|_| dev.alloc(4096, &s2).unwrap()).collect();
+    for x in &b {
+        sim.launch_write_pattern(0, s2.handle(), x.ptr(), 4096, 8, Duration::ZERO)
+            .unwrap();
+    }
+    busy.release();
+    for x in &b {
+        let r = sim
+            .launch_verify_pattern(0, s2.handle(), x.ptr(), 4096, 8, Duration::ZERO)
+            .unwrap();
+        assert_eq!(r.wait(), 0, "s1's late write landed on s2's block");
+    }
+    drop(b);
+    dev.audit().unwrap();
+}

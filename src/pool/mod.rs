@@ -750,6 +750,11 @@ impl PoolShared {
         if let Some(i) = self.slabs.pop(class, slot) {
             return Ok(i);
         }
+        // Another stream's dirty slots, where that stream is idle (a
+        // query, no event), before a new slab.
+        if let Some(i) = self.take_idle_dirty(class, slot) {
+            return Ok(i);
+        }
         // Growth before handover of memory behind streams that are not
         // draining (see `alloc_large`).
         let first = self.new_slab(class, stream, PendingUse::Draining);

@@ -329,6 +329,11 @@ impl Slabs {
         }
     }
 
+    /// Whether stream slot `stream` holds dirty slots of `class`.
+    pub(crate) fn holds_dirty(&self, class: usize, stream: usize) -> bool {
+        !self.stacks[class].dirty[stream].is_empty()
+    }
+
     /// Detaches every slot of a dirty stack.
     pub(crate) fn take_dirty(&self, class: usize, stream: usize) -> Vec<u32> {
         let mut v = Vec::new();
