@@ -746,13 +746,15 @@ impl PoolShared {
             }
         }
         self.detect_capture(stream);
-        self.try_harvest();
-        if let Some(i) = self.slabs.pop(class, slot) {
+        // Another stream's dirty slots, where that stream is idle (a
+        // query, no event): before a harvest pass, which asks about every
+        // pending free and at 8 streams rarely served the request (half
+        // the allocation p99 with `record_stream`, less driver time).
+        if let Some(i) = self.take_idle_dirty(class, slot) {
             return Ok(i);
         }
-        // Another stream's dirty slots, where that stream is idle (a
-        // query, no event), before a new slab.
-        if let Some(i) = self.take_idle_dirty(class, slot) {
+        self.try_harvest();
+        if let Some(i) = self.slabs.pop(class, slot) {
             return Ok(i);
         }
         // Growth before handover of memory behind streams that are not
