@@ -193,30 +193,24 @@ impl PoolShared {
             let Some(s) = self.streams.get(slot as u16) else {
                 continue;
             };
+            // A stream `stream_idle` would not ask: its stacks stay as
+            // they are (no take and put back).
             if s.core().order.busy_lately(super::event_order::now_ns()) {
                 continue;
             }
             // Taken before the query: all freed before it (the file's
             // invariant). Every class at once: one query pays for all.
-            let taken: Vec<(usize, Vec<u32>)> = (0..self.slabs.classes.len())
-                .filter(|&c| self.slabs.holds_dirty(c, slot))
-                .map(|c| (c, self.slabs.take_dirty(c, slot)))
-                .filter(|(_, v)| !v.is_empty())
-                .collect();
-            if taken.is_empty() {
-                continue;
-            }
-            if self.stream_idle(s.core()) {
-                for (c, idxs) in &taken {
+            let taken = self.slabs.take_dirty_all(slot);
+            let idle = !taken.is_empty() && self.stream_idle(s.core());
+            for (c, idxs) in &taken {
+                if idle {
                     self.slabs.push_clean(*c, idxs);
-                }
-                if let Some(i) = self.slabs.pop(class, own) {
-                    return Some(i);
-                }
-            } else {
-                for (c, idxs) in &taken {
+                } else {
                     self.slabs.push_dirty_many(*c, slot, idxs);
                 }
+            }
+            if let Some(i) = idle.then(|| self.slabs.pop(class, own)).flatten() {
+                return Some(i);
             }
         }
         None

@@ -334,6 +334,16 @@ impl Slabs {
         !self.stacks[class].dirty[stream].is_empty()
     }
 
+    /// Detaches every dirty stack of stream slot `stream` that holds
+    /// slots: `(class, slots)`.
+    pub(crate) fn take_dirty_all(&self, stream: usize) -> Vec<(usize, Vec<u32>)> {
+        (0..self.classes.len())
+            .filter(|&c| self.holds_dirty(c, stream))
+            .map(|c| (c, self.take_dirty(c, stream)))
+            .filter(|(_, v)| !v.is_empty())
+            .collect()
+    }
+
     /// Detaches every slot of a dirty stack.
     pub(crate) fn take_dirty(&self, class: usize, stream: usize) -> Vec<u32> {
         let mut v = Vec::new();
