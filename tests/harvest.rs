@@ -8,8 +8,9 @@ use gpupool::{PoolConfig, Runtime, SimConfig};
 use std::sync::Arc;
 use std::time::Duration;
 
-#[test]
-fn harvest_queries_a_few_events_per_stream_not_one_per_record() {
+/// One simulated device of 1 GiB and a runtime with no maintenance thread:
+/// the harvests a test sees are its own and the pool's inline ones.
+fn sim_without_maintenance() -> (Arc<SimBackend>, Runtime) {
     let be = Arc::new(
         SimBackend::new(SimConfig {
             devices: 1,
@@ -18,12 +19,17 @@ fn harvest_queries_a_few_events_per_stream_not_one_per_record() {
         })
         .unwrap(),
     );
-    // No maintenance thread: the test's own harvests are the only ones.
     let cfg = PoolConfig {
         maintenance_tick: None,
         ..PoolConfig::default()
     };
     let rt = Runtime::with_backend(be.clone(), cfg).unwrap();
+    (be, rt)
+}
+
+#[test]
+fn harvest_queries_a_few_events_per_stream_not_one_per_record() {
+    let (be, rt) = sim_without_maintenance();
     let dev = rt.device(0).unwrap();
     let (a, b) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
     // Stream b is busy for a while: every event recorded on it stays pending.
@@ -64,4 +70,48 @@ fn harvest_queries_a_few_events_per_stream_not_one_per_record() {
         "nothing pending any more"
     );
     dev.free_raw(busy, &b).unwrap();
+}
+
+/// A user never calls `harvest`: the threads that free `record_stream`'d
+/// blocks run a pass every so often themselves (`HARVEST_PACE`, 32), so
+/// what completed comes back with no allocation slow path, no maintenance
+/// thread and no explicit call.
+#[test]
+fn record_stream_frees_harvest_as_they_go() {
+    let (be, rt) = sim_without_maintenance();
+    let dev = rt.device(0).unwrap();
+    let (a, b) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    const MIB: usize = 1 << 20;
+    let blocks: Vec<_> = (0..32)
+        .map(|_| dev.alloc_raw(2 * MIB, &a).unwrap())
+        .collect();
+    let recorded_free = |p| {
+        dev.record_stream_raw(p, &b).unwrap();
+        dev.free_raw(p, &a).unwrap();
+    };
+    for &p in &blocks[..31] {
+        recorded_free(p);
+    }
+    // Every use has completed, but no pass has looked yet.
+    be.sync_stream(0, a.handle()).unwrap();
+    be.sync_stream(0, b.handle()).unwrap();
+    let pending = dev.stats().pending_bytes.current;
+    assert_eq!(pending, 31 * 2 * MIB as u64, "all 31 wait for a pass");
+    // The 32nd such free runs one: only its own block can still wait.
+    recorded_free(blocks[31]);
+    let pending = dev.stats().pending_bytes.current;
+    assert!(pending <= 2 * MIB as u64, "{pending} bytes still pending");
+    // Typed blocks the same way: 31 wait, the 32nd free releases them.
+    let mut typed: Vec<_> = (0..32).map(|_| dev.alloc(2 * MIB, &a).unwrap()).collect();
+    let last = typed.pop().unwrap();
+    for blk in typed {
+        blk.record_stream(&b);
+    }
+    be.sync_stream(0, a.handle()).unwrap();
+    be.sync_stream(0, b.handle()).unwrap();
+    assert!(dev.stats().pending_bytes.current >= 31 * 2 * MIB as u64);
+    last.record_stream(&b);
+    drop(last);
+    let pending = dev.stats().pending_bytes.current;
+    assert!(pending <= 2 * MIB as u64, "{pending} bytes still pending");
 }

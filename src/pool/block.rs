@@ -196,6 +196,9 @@ impl Block<'_> {
             self.stream,
             &extra,
         );
+        if !extra.is_empty() {
+            pool.pace_harvest();
+        }
     }
 }
 

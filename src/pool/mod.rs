@@ -163,6 +163,8 @@ pub(crate) struct PoolShared {
     /// What the last harvest learned of the kept records; held for a whole
     /// harvest pass, so passes run one at a time.
     harvest_gate: Mutex<reclaim::HarvestGate>,
+    /// `record_stream`'d frees so far (see `reclaim::PoolShared::pace_harvest`).
+    recorded_frees: std::sync::atomic::AtomicU32,
     /// Idle events for reuse, and events pending records share.
     events: event_pool::EventPool,
     streams: StreamRegistry,
@@ -327,6 +329,7 @@ impl DevicePool {
             pending: PendingList::new(),
             kept: reclaim::KeptRecords::default(),
             harvest_gate: Mutex::default(),
+            recorded_frees: std::sync::atomic::AtomicU32::new(0),
             events: event_pool::EventPool::default(),
             streams: StreamRegistry::new(),
             counters: Counters::new(),

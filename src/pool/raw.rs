@@ -36,6 +36,9 @@ impl PoolShared {
                 class: slot.class as u16,
             };
             self.free_block(ptr, kind, requested, stream, &extra);
+            if !extra.is_empty() {
+                self.pace_harvest();
+            }
         }
     }
 
@@ -133,6 +136,9 @@ impl PoolShared {
             stream,
             &extra,
         );
+        if !extra.is_empty() {
+            self.pace_harvest();
+        }
         Ok(())
     }
 

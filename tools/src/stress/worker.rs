@@ -409,11 +409,6 @@ impl<'a> Worker<'a> {
         if self.unpublished >= PUBLISH_EVERY {
             self.shared.ops.fetch_add(self.unpublished, Relaxed);
             self.unpublished = 0;
-            // Completed cross-stream frees go back to the free lists now and
-            // then, as a maintenance thread would do (never blocks).
-            if self.peer.is_none() {
-                self.dev.harvest();
-            }
         }
     }
 
