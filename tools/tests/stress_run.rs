@@ -77,6 +77,9 @@ fn training_on_four_devices_with_verification_is_clean() {
     assert_clean(&r);
     assert!(r.cross_stream_uses > 0 && r.cross_stream_frees > 0, "{r:?}");
     assert!(r.per_device.iter().any(|d| d.pending_frees > 0));
+    // Pending frees are harvested, and the report counts the passes.
+    assert!(r.per_device.iter().any(|d| d.harvests > 0), "{r:?}");
+    assert!(r.per_device.iter().all(|d| d.harvest_walks <= d.harvests));
 }
 
 #[test]

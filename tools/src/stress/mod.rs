@@ -544,6 +544,8 @@ fn build_report(
             device_faults: sim.device_faults(d),
             pending_frees: st.num_pending_frees,
             handovers: st.num_handovers,
+            harvests: st.num_harvests,
+            harvest_walks: st.num_harvest_walks,
             host_syncs_on_alloc_path: (counts.syncs_after.host_syncs_of(d)
                 - counts.syncs_before.host_syncs_of(d))
             .saturating_sub(st.oom_host_syncs),

@@ -59,6 +59,13 @@ pub struct DeviceStress {
     pub pending_frees: u64,
     /// Pending blocks handed to another stream by a stream-wait-event.
     pub handovers: u64,
+    /// Harvest passes over the pending frees (the allocation slow paths',
+    /// the paced ones after `record_stream`'d frees, the maintenance
+    /// thread's).
+    pub harvests: u64,
+    /// Those that looked at every pending free (the others looked at the
+    /// new ones only: no stream's earliest pending event had completed).
+    pub harvest_walks: u64,
     /// Host-blocking syncs the backend counted on this device during the
     /// run (the harness makes none there, so all are the pool's), less
     /// those of waits on the way to out of memory.
