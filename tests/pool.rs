@@ -222,6 +222,90 @@ fn a_block_freed_on_its_stream_is_reused_at_once_there() {
     dev.audit().unwrap();
 }
 
+/// A loop that repeats (a training step, a server's request) pays the
+/// slow paths on its first pass only when it runs on one stream: later
+/// passes are served from the stream's own caches
+/// (`PoolStats::num_*_slow_paths`). On two idle streams taking turns, the
+/// streams share one set of memory instead of holding one each: each
+/// pass, each stream's first large request takes the slow path once
+/// (the other stream's parked ranges, clean since it is idle), with no
+/// growth, no reclaim and no small slow path.
+#[test]
+fn a_repeating_loop_takes_slow_paths_only_to_share_memory_once_warm() {
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let pass = |streams: &[&gpupool::Stream]| {
+        for s in streams {
+            let blocks: Vec<_> = [4096usize, 100_000, 5 << 20, 12 << 20, 4096, 3 << 20]
+                .into_iter()
+                .map(|size| dev.alloc(size, s).unwrap())
+                .collect();
+            drop(blocks);
+        }
+    };
+    pass(&[&s1]);
+    let cold = dev.stats();
+    assert!(
+        cold.num_small_slow_paths > 0 && cold.num_large_slow_paths > 0,
+        "the cold pass made slabs and grew: {cold:?}"
+    );
+    for _ in 0..50 {
+        pass(&[&s1]);
+    }
+    let warm = dev.stats();
+    assert_eq!(warm.num_small_slow_paths, cold.num_small_slow_paths);
+    assert_eq!(warm.num_large_slow_paths, cold.num_large_slow_paths);
+    assert_eq!(warm.num_reclaims, cold.num_reclaims);
+    assert_eq!(warm.num_device_allocs, cold.num_device_allocs);
+    // Two streams: two passes to settle who holds what, then 50 that
+    // neither grow nor reclaim.
+    pass(&[&s1, &s2]);
+    pass(&[&s1, &s2]);
+    let cold = dev.stats();
+    for _ in 0..50 {
+        pass(&[&s1, &s2]);
+    }
+    let warm = dev.stats();
+    assert_eq!(warm.num_device_allocs, cold.num_device_allocs);
+    assert_eq!(warm.reserved_bytes.current, cold.reserved_bytes.current);
+    assert_eq!(warm.num_reclaims, cold.num_reclaims);
+    assert_eq!(warm.num_small_slow_paths, cold.num_small_slow_paths);
+    let large = warm.num_large_slow_paths - cold.num_large_slow_paths;
+    assert!(large <= 2 * 50, "{large} large slow paths in 50 passes");
+    dev.audit().unwrap();
+}
+
+/// A large request that its stream's memory does not serve, while another
+/// (busy) stream holds enough dirty memory, takes the slow path and runs
+/// one reclaim, which flushes that memory for every stream; the request,
+/// which cannot wait on a stalled stream, grows the device instead.
+#[test]
+fn a_large_miss_beside_another_streams_dirty_memory_reclaims_once() {
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    drop(dev.alloc(8 << 20, &s1).unwrap());
+    let busy = Busy::hold(sim_of(dev), &s1);
+    let before = dev.stats();
+    let b = dev.alloc(8 << 20, &s2).unwrap();
+    let after = dev.stats();
+    assert_eq!(after.num_large_slow_paths, before.num_large_slow_paths + 1);
+    assert_eq!(after.num_reclaims, before.num_reclaims + 1);
+    assert_eq!(after.num_small_slow_paths, before.num_small_slow_paths);
+    assert!(
+        after.num_device_allocs > before.num_device_allocs,
+        "{after:?}"
+    );
+    assert!(
+        after.pending_bytes.current >= 8 << 20,
+        "s1's range was flushed"
+    );
+    drop(b);
+    busy.release();
+    dev.audit().unwrap();
+}
+
 /// A large block freed on its stream is parked whole and serves the next
 /// request of its size class on that stream (up to 1/64 shorter) without a
 /// heap search; the block keeps the whole range, the stats count it, and

@@ -55,6 +55,7 @@ impl PoolShared {
         }
         // The slow path from here on (events, growth, stitching): first,
         // is this stream capturing a graph the pool was not told about?
+        self.counters.large_slow.fetch_add(1, Relaxed);
         self.detect_capture(stream);
         // Parked ranges, merged with their neighbours, often fit where
         // none did: every stream's to the heap before any handover or

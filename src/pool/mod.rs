@@ -738,6 +738,7 @@ impl PoolShared {
     }
 
     fn alloc_small_slow(&self, class: usize, size: u64, stream: &Stream) -> Result<u32> {
+        self.counters.small_slow.fetch_add(1, Relaxed);
         let slot = stream.slot().map(usize::from);
         // Slots this stream freed after uses on other streams whose uses
         // completed since (see `returning.rs`): before any driver call.

@@ -595,6 +595,7 @@ impl PoolShared {
     /// [`PoolShared::reclaim`] right after a query found the streams of
     /// `busy` busy: their flushes record an event without asking again.
     pub(super) fn reclaim_knowing_busy(&self, busy: &[u16]) {
+        self.counters.reclaims.fetch_add(1, Relaxed);
         super::magazine::flush_for(self);
         self.flush_all_streams_knowing_busy(busy);
         self.harvest();

@@ -99,6 +99,20 @@ pub struct PoolStats {
     /// as nothing could have completed since the last walk (`HarvestGate`).
     #[serde(skip_serializing)]
     pub num_harvest_walks: u64,
+    /// Small allocations that found no slot in the thread's magazine nor
+    /// the stream's stacks and took the slow path (other streams' idle
+    /// slots, a harvest, a new slab, ...). Diagnostics: in steady state on
+    /// one stream, nearly none.
+    pub num_small_slow_paths: u64,
+    /// Large allocations that neither the stream's parked ranges nor the
+    /// heap's backed memory served at once, and took the slow path
+    /// (unparking, reclaim, handover, growth, stitching).
+    pub num_large_slow_paths: u64,
+    /// Reclaim passes: each flushes every stream's dirty memory (small
+    /// slots and heap ranges, one event per busy stream), harvests and
+    /// retires empty slabs. Run by allocations that missed (large ones
+    /// before growing, any at capacity), compaction and `pause`.
+    pub num_reclaims: u64,
     /// Host-blocking syncs made on this device so far (by anyone).
     pub host_syncs: u64,
     /// `(reserved - requested) / reserved`, 0 when nothing is reserved.
@@ -155,6 +169,9 @@ pub(crate) struct Counters {
     pub handovers: AtomicU64,
     pub harvests: AtomicU64,
     pub harvest_walks: AtomicU64,
+    pub small_slow: AtomicU64,
+    pub large_slow: AtomicU64,
+    pub reclaims: AtomicU64,
     pub grown: AtomicU64,
     /// Bytes of small slots on the pending list.
     pub pending_slot_bytes: AtomicU64,
@@ -187,6 +204,9 @@ impl Counters {
             handovers: AtomicU64::new(0),
             harvests: AtomicU64::new(0),
             harvest_walks: AtomicU64::new(0),
+            small_slow: AtomicU64::new(0),
+            large_slow: AtomicU64::new(0),
+            reclaims: AtomicU64::new(0),
             grown: AtomicU64::new(0),
             pending_slot_bytes: AtomicU64::new(0),
             window_peak_active: AtomicU64::new(0),
@@ -435,6 +455,9 @@ impl Counters {
             num_handovers: self.handovers.load(Relaxed),
             num_harvests: self.harvests.load(Relaxed),
             num_harvest_walks: self.harvest_walks.load(Relaxed),
+            num_small_slow_paths: self.small_slow.load(Relaxed),
+            num_large_slow_paths: self.large_slow.load(Relaxed),
+            num_reclaims: self.reclaims.load(Relaxed),
             fragmentation: if f.reserved == 0 {
                 0.0
             } else {

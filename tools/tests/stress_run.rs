@@ -80,6 +80,16 @@ fn training_on_four_devices_with_verification_is_clean() {
     // Pending frees are harvested, and the report counts the passes.
     assert!(r.per_device.iter().any(|d| d.harvests > 0), "{r:?}");
     assert!(r.per_device.iter().all(|d| d.harvest_walks <= d.harvests));
+    // Cross-stream traffic makes large requests miss and reclaim; slow
+    // paths are a part of the allocations.
+    assert!(r
+        .per_device
+        .iter()
+        .any(|d| d.large_slow_paths > 0 && d.reclaims > 0));
+    assert!(r
+        .per_device
+        .iter()
+        .all(|d| d.small_slow_paths + d.large_slow_paths <= d.ops / 2));
 }
 
 #[test]

@@ -546,6 +546,9 @@ fn build_report(
             handovers: st.num_handovers,
             harvests: st.num_harvests,
             harvest_walks: st.num_harvest_walks,
+            small_slow_paths: st.num_small_slow_paths,
+            large_slow_paths: st.num_large_slow_paths,
+            reclaims: st.num_reclaims,
             host_syncs_on_alloc_path: (counts.syncs_after.host_syncs_of(d)
                 - counts.syncs_before.host_syncs_of(d))
             .saturating_sub(st.oom_host_syncs),

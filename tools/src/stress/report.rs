@@ -66,6 +66,15 @@ pub struct DeviceStress {
     /// Those that looked at every pending free (the others looked at the
     /// new ones only: no stream's earliest pending event had completed).
     pub harvest_walks: u64,
+    /// Small allocations that took the slow path (no slot in the thread's
+    /// magazine nor the stream's stacks).
+    pub small_slow_paths: u64,
+    /// Large allocations that took the slow path (neither the stream's
+    /// parked ranges nor the heap's backed memory served at once).
+    pub large_slow_paths: u64,
+    /// Reclaim passes (each flushes every stream's dirty memory, small
+    /// caches included, harvests and retires empty slabs).
+    pub reclaims: u64,
     /// Host-blocking syncs the backend counted on this device during the
     /// run (the harness makes none there, so all are the pool's), less
     /// those of waits on the way to out of memory.
