@@ -301,6 +301,10 @@ fn a_large_miss_beside_another_streams_dirty_memory_reclaims_once() {
         after.pending_bytes.current >= 8 << 20,
         "s1's range was flushed"
     );
+    let flat = after.memory_stats();
+    assert_eq!(flat["num_reclaims"], after.num_reclaims);
+    assert_eq!(flat["num_large_slow_paths"], after.num_large_slow_paths);
+    assert_eq!(flat["num_small_slow_paths"], after.num_small_slow_paths);
     drop(b);
     busy.release();
     dev.audit().unwrap();

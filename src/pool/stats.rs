@@ -480,6 +480,7 @@ impl PoolStats {
     /// `pending_bytes.all.*`, `overhead_bytes.all.current`,
     /// `paused_bytes.all.current`,
     /// `num_oom_waits`, `num_pending_frees`, `num_handovers`,
+    /// `num_small_slow_paths`, `num_large_slow_paths`, `num_reclaims`,
     /// `host_syncs`). PyTorch's `large_pool`/`small_pool` splits and the
     /// cumulative `.allocated`/`.freed` byte counts are not kept.
     pub fn memory_stats(&self) -> std::collections::BTreeMap<String, u64> {
@@ -510,6 +511,9 @@ impl PoolStats {
             ("num_oom_waits", self.num_oom_waits),
             ("num_pending_frees", self.num_pending_frees),
             ("num_handovers", self.num_handovers),
+            ("num_small_slow_paths", self.num_small_slow_paths),
+            ("num_large_slow_paths", self.num_large_slow_paths),
+            ("num_reclaims", self.num_reclaims),
             ("host_syncs", self.host_syncs),
         ] {
             m.insert(k.into(), v);
