@@ -433,7 +433,13 @@ impl PoolShared {
         // Every class's dirty slots behind the one event.
         let parts: Vec<(u16, Vec<u32>)> = (0..self.slabs.classes.len())
             .map(|class| {
-                let mut idxs = self.slabs.take_dirty(class, slot);
+                // A look before the swap: most of a stream's classes hold
+                // nothing, and a reclaim flushes every stream.
+                let mut idxs = if self.slabs.holds_dirty(class, slot) {
+                    self.slabs.take_dirty(class, slot)
+                } else {
+                    Vec::new()
+                };
                 idxs.extend(
                     returned
                         .iter()
