@@ -265,6 +265,35 @@ impl CostTable {
         Ok(())
     }
 
+    /// Spends on the calling thread the modeled host time of `calls` calls
+    /// of `call` covering `units` ([`Call::unit`]): what a simulated
+    /// driver does when asked to cost real time (`SimConfig::driver_time`),
+    /// so that a call made under a lock holds that lock as long as on a
+    /// device, and the threads behind it wait as long.
+    ///
+    /// Up to [`CostTable::SPIN_US`] the thread spins (a driver call is host
+    /// work: an ioctl, page-table updates), beyond it it sleeps all but
+    /// that much (long calls wait in the kernel) and spins the rest.
+    pub fn spend(&self, call: Call, calls: u64, units: u64) {
+        let us = self.cost(call).micros(call, calls, units);
+        if us <= 0.0 {
+            return;
+        }
+        let start = std::time::Instant::now();
+        let total = std::time::Duration::from_secs_f64(us * 1e-6);
+        let spin = std::time::Duration::from_secs_f64(Self::SPIN_US * 1e-6);
+        if total > spin {
+            std::thread::sleep(total - spin);
+        }
+        while start.elapsed() < total {
+            std::hint::spin_loop();
+        }
+    }
+
+    /// The longest time [`CostTable::spend`] spins without sleeping, in µs
+    /// (Linux's sleeps overshoot by about 50 µs).
+    pub const SPIN_US: f64 = 100.0;
+
     /// Modeled milliseconds of the calls in `counters` (a snapshot, or the
     /// difference of two: [`BackendCounters::since`]).
     pub fn millis(&self, counters: &BackendCounters) -> f64 {
@@ -701,6 +730,19 @@ pub fn driver_ms(
 mod tests {
     use super::*;
     use crate::backend::CallCounters;
+
+    /// `spend` takes at least the modeled time, on both of its ways: a
+    /// short call spun out, a long one slept and then spun.
+    #[test]
+    fn spend_takes_at_least_the_modeled_time() {
+        let mut t = CostTable::h200();
+        for us in [40.0, 1500.0] {
+            t.set(Call::Map, CallCost::new(us, 0.0)).unwrap();
+            let start = std::time::Instant::now();
+            t.spend(Call::Map, 2, 0);
+            assert!(start.elapsed() >= std::time::Duration::from_secs_f64(2.0 * us * 1e-6));
+        }
+    }
 
     /// Equal up to the last bits JSON's decimal form may lose.
     fn same(a: &CostTable, b: &CostTable) -> bool {

@@ -125,6 +125,23 @@ fn serving_on_busy_streams_with_verification_is_clean() {
     assert_eq!(r.false_ooms, 0);
 }
 
+/// Driver calls that take their modeled time on the calling threads (as
+/// on a GPU, where a call made under a lock stalls the threads behind it)
+/// change every interleaving of the run; the pool stays clean, with no
+/// false out-of-memory, and the report says the time was spent.
+#[test]
+fn serving_with_driver_time_spent_is_clean() {
+    let o = StressOptions {
+        spend_driver_time: true,
+        ..opts(Workload::Serving, 1, 4, 2)
+    };
+    let r = run(&o, |_| {}).unwrap();
+    assert_clean(&r);
+    assert!(r.driver_time_spent);
+    assert!(r.driver_ms > 0.0);
+    assert_eq!(r.false_ooms, 0);
+}
+
 /// The checker works: frees from another stream that skip the ordering
 /// event (API misuse) let the pool hand memory to new work while the old
 /// verify kernels are still queued, and the run reports corrupted bytes.

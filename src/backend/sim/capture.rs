@@ -180,7 +180,7 @@ impl SimBackend {
 
     /// `cuStreamIsCapturing`.
     pub(super) fn capturing_now(&self, dev: usize, stream: StreamHandle) -> Result<bool> {
-        self.counters.count(Call::StreamIsCapturing);
+        self.call(Call::StreamIsCapturing);
         let st = self.stream(dev, stream)?;
         Ok(self.dev(dev)?.capture.capturing(&st))
     }

@@ -91,6 +91,14 @@ pub struct SimConfig {
     /// of events matters. Off by default: the asynchronous model is the
     /// faithful one.
     pub sync_streams: bool,
+    /// Spend each driver call's modeled host time (this table's) on the
+    /// calling thread, as a device would, instead of returning at once
+    /// (`None`, the default: calls are counted and costed in reports
+    /// only). With it, a call made under a lock keeps the threads behind
+    /// that lock waiting as long as on a GPU: `gpupool stress
+    /// --spend-driver-time`.
+    #[serde(skip)]
+    pub driver_time: Option<Arc<super::CostTable>>,
 }
 
 impl Default for SimConfig {
@@ -104,6 +112,7 @@ impl Default for SimConfig {
             backing: SimBacking::Memory,
             queue_depth: DEFAULT_QUEUE_DEPTH,
             sync_streams: false,
+            driver_time: None,
         }
     }
 }
@@ -695,6 +704,41 @@ impl Executor for Shared {
     }
 }
 
+/// Counting driver calls, and spending their time where the config asks.
+impl SimBackend {
+    /// One call of `call`.
+    #[inline]
+    fn call(&self, call: Call) {
+        self.counters.count(call);
+        self.spend(call, 1, 0);
+    }
+
+    /// `n` calls of `call` (a run of mappings).
+    #[inline]
+    fn call_n(&self, call: Call, n: u64) {
+        self.counters.count_n(call, n);
+        self.spend(call, n, 0);
+    }
+
+    /// `n` calls of `call` covering `units` ([`Call::unit`]).
+    #[inline]
+    fn call_units(&self, call: Call, n: u64, units: u64) {
+        self.counters.count_units(call, n, units);
+        self.spend(call, n, units);
+    }
+
+    /// The calls' modeled time on this thread, with
+    /// [`SimConfig::driver_time`] set. Every call site counts before it
+    /// takes the simulator's own locks, so that the time spent serializes
+    /// only what the caller holds, as a driver call does.
+    #[inline]
+    fn spend(&self, call: Call, n: u64, units: u64) {
+        if let Some(t) = &self.cfg.driver_time {
+            t.spend(call, n, units);
+        }
+    }
+}
+
 impl Backend for SimBackend {
     fn name(&self) -> &'static str {
         "sim"
@@ -715,7 +759,7 @@ impl Backend for SimBackend {
     }
 
     fn create_chunk(&self, dev: usize, bytes: u64) -> Result<ChunkHandle> {
-        self.counters.count_units(Call::MemCreate, 1, bytes);
+        self.call_units(Call::MemCreate, 1, bytes);
         if !self.dev(dev)?.info.vmm_supported {
             return Err(Error::Unsupported(format!("device {dev} has no VMM")));
         }
@@ -725,13 +769,13 @@ impl Backend for SimBackend {
     }
 
     fn release_chunk(&self, dev: usize, chunk: ChunkHandle) -> Result<()> {
-        self.counters.count(Call::MemRelease);
+        self.call(Call::MemRelease);
         self.capture_check(dev, "cuMemRelease", Checked::Release);
         self.dev(dev)?.mem.write().release_chunk(chunk.0)
     }
 
     fn export_chunk(&self, dev: usize, chunk: ChunkHandle) -> Result<(std::os::fd::OwnedFd, u64)> {
-        self.counters.count(Call::MemExport);
+        self.call(Call::MemExport);
         self.dev(dev)?.mem.write().export_chunk(chunk.0)
     }
 
@@ -742,7 +786,7 @@ impl Backend for SimBackend {
         fd_offset: u64,
         bytes: u64,
     ) -> Result<ChunkHandle> {
-        self.counters.count(Call::MemImport);
+        self.call(Call::MemImport);
         if !self.dev(dev)?.info.vmm_supported {
             return Err(Error::Unsupported(format!("device {dev} has no VMM")));
         }
@@ -754,25 +798,25 @@ impl Backend for SimBackend {
     }
 
     fn alloc_segment(&self, dev: usize, bytes: u64) -> Result<DevicePtr> {
-        self.counters.count_units(Call::MemAlloc, 1, bytes);
+        self.call_units(Call::MemAlloc, 1, bytes);
         let mut mem = self.dev(dev)?.mem.write();
         self.admit_physical(dev, bytes, mem.used)?;
         mem.alloc_segment(bytes).map(DevicePtr)
     }
 
     fn free_segment(&self, dev: usize, ptr: DevicePtr) -> Result<()> {
-        self.counters.count(Call::MemFree);
+        self.call(Call::MemFree);
         self.capture_check(dev, "cuMemFree", Checked::Release);
         self.dev(dev)?.mem.write().free_segment(ptr.0)
     }
 
     fn reserve_va(&self, dev: usize, bytes: u64) -> Result<DevicePtr> {
-        self.counters.count(Call::AddressReserve);
+        self.call(Call::AddressReserve);
         self.dev(dev)?.mem.write().reserve_va(bytes).map(DevicePtr)
     }
 
     fn free_va(&self, dev: usize, base: DevicePtr, bytes: u64) -> Result<()> {
-        self.counters.count(Call::AddressFree);
+        self.call(Call::AddressFree);
         self.capture_check(dev, "cuMemAddressFree", Checked::Release);
         self.dev(dev)?.mem.write().free_va(base.0, bytes)
     }
@@ -785,9 +829,9 @@ impl Backend for SimBackend {
         chunk: ChunkHandle,
         off: u64,
     ) -> Result<()> {
-        self.counters.count(Call::Map);
+        self.call(Call::Map);
         // One chunk mapped, and its access granted.
-        self.counters.count_units(Call::SetAccess, 1, 1);
+        self.call_units(Call::SetAccess, 1, 1);
         let d = self.dev(dev)?;
         if let Some((_, e)) = Self::map_fault(d, dev, 1) {
             return Err(e);
@@ -801,20 +845,20 @@ impl Backend for SimBackend {
         if let Some((k, e)) = Self::map_fault(d, dev, n) {
             // The CUDA backend would have mapped (and then unmapped) the
             // chunks before the failing one.
-            self.counters.count_n(Call::Map, k + 1);
-            self.counters.count_n(Call::Unmap, k);
+            self.call_n(Call::Map, k + 1);
+            self.call_n(Call::Unmap, k);
             return Err(e);
         }
-        self.counters.count_n(Call::Map, n);
+        self.call_n(Call::Map, n);
         d.mem.write().map_run(va.0, gran, chunks)?;
         // One access grant for the run, as the CUDA backend makes.
-        self.counters.count_units(Call::SetAccess, 1, n);
+        self.call_units(Call::SetAccess, 1, n);
         Ok(())
     }
 
     fn unmap_run(&self, dev: usize, va: DevicePtr, gran: u64, n: u64) -> Result<()> {
         let d = self.dev(dev)?;
-        self.counters.count_n(Call::Unmap, n);
+        self.call_n(Call::Unmap, n);
         self.capture_check(dev, "cuMemUnmap", Checked::Release);
         // The memory table checks the whole run first (a set of whole
         // mappings) and then removes it, as the per-mapping calls would.
@@ -822,7 +866,7 @@ impl Backend for SimBackend {
     }
 
     fn unmap(&self, dev: usize, va: DevicePtr, bytes: u64) -> Result<()> {
-        self.counters.count(Call::Unmap);
+        self.call(Call::Unmap);
         self.capture_check(dev, "cuMemUnmap", Checked::Release);
         self.dev(dev)?.mem.write().unmap(va.0, bytes)
     }
@@ -839,7 +883,7 @@ impl Backend for SimBackend {
     }
 
     fn create_stream(&self, dev: usize) -> Result<StreamHandle> {
-        self.counters.count(Call::StreamCreate);
+        self.call(Call::StreamCreate);
         self.dev(dev)?;
         let s = self.spawn_stream(dev)?;
         let h = self.next_handle.fetch_add(1, Relaxed);
@@ -848,7 +892,7 @@ impl Backend for SimBackend {
     }
 
     fn destroy_stream(&self, dev: usize, stream: StreamHandle) -> Result<()> {
-        self.counters.count(Call::StreamDestroy);
+        self.call(Call::StreamDestroy);
         if stream.is_default() {
             return Err(Error::InvalidHandle(
                 "a default stream cannot be destroyed".into(),
@@ -862,7 +906,7 @@ impl Backend for SimBackend {
     }
 
     fn create_event(&self, dev: usize) -> Result<EventHandle> {
-        self.counters.count(Call::EventCreate);
+        self.call(Call::EventCreate);
         self.dev(dev)?;
         let h = self.next_handle.fetch_add(1, Relaxed);
         self.events.write().insert(h, Arc::new(SimEvent::new(dev)));
@@ -870,14 +914,14 @@ impl Backend for SimBackend {
     }
 
     fn destroy_event(&self, dev: usize, event: EventHandle) -> Result<()> {
-        self.counters.count(Call::EventDestroy);
+        self.call(Call::EventDestroy);
         self.event(dev, event)?;
         self.events.write().remove(&event.0);
         Ok(())
     }
 
     fn record_event(&self, dev: usize, event: EventHandle, stream: StreamHandle) -> Result<()> {
-        self.counters.count(Call::EventRecord);
+        self.call(Call::EventRecord);
         let ev = self.event(dev, event)?;
         let st = self.stream(dev, stream)?;
         self.capture_check(dev, "cuEventRecord", Checked::Record(event, &st));
@@ -904,7 +948,7 @@ impl Backend for SimBackend {
     }
 
     fn query_event(&self, dev: usize, event: EventHandle) -> Result<bool> {
-        self.counters.count(Call::EventQuery);
+        self.call(Call::EventQuery);
         let ev = self.event(dev, event)?;
         self.capture_check(dev, "cuEventQuery", Checked::QueryEvent(event));
         self.event_fault(dev)?;
@@ -912,7 +956,7 @@ impl Backend for SimBackend {
     }
 
     fn sync_event(&self, dev: usize, event: EventHandle) -> Result<()> {
-        self.counters.count(Call::EventSynchronize);
+        self.call(Call::EventSynchronize);
         self.counters.count_host_sync(dev);
         let ev = self.event(dev, event)?;
         self.capture_check(dev, "cuEventSynchronize", Checked::QueryEvent(event));
@@ -926,7 +970,7 @@ impl Backend for SimBackend {
         stream: StreamHandle,
         event: EventHandle,
     ) -> Result<()> {
-        self.counters.count(Call::StreamWaitEvent);
+        self.call(Call::StreamWaitEvent);
         let ev = self.event(dev, event)?;
         let st = self.stream(dev, stream)?;
         self.capture_check(dev, "cuStreamWaitEvent", Checked::OnStream(&st));
@@ -945,7 +989,7 @@ impl Backend for SimBackend {
     }
 
     fn sync_stream(&self, dev: usize, stream: StreamHandle) -> Result<()> {
-        self.counters.count(Call::StreamSynchronize);
+        self.call(Call::StreamSynchronize);
         self.counters.count_host_sync(dev);
         let st = self.stream(dev, stream)?;
         self.capture_check(dev, "cuStreamSynchronize", Checked::SyncStream);
@@ -958,7 +1002,7 @@ impl Backend for SimBackend {
 
     fn enqueue_moves(&self, dev: usize, stream: StreamHandle, moves: &[Move]) -> Result<()> {
         let moved = moves.iter().map(|m| m.len).sum();
-        self.counters.count_units(Call::LaunchMoves, 1, moved);
+        self.call_units(Call::LaunchMoves, 1, moved);
         let st = self.stream(dev, stream)?;
         self.capture_check(dev, "launchMoves", Checked::OnStream(&st));
         self.push_op(dev, &st, Op::Moves(moves.to_vec()))
@@ -972,7 +1016,7 @@ impl Backend for SimBackend {
         bytes: u64,
         value: u8,
     ) -> Result<()> {
-        self.counters.count_units(Call::MemsetAsync, 1, bytes);
+        self.call_units(Call::MemsetAsync, 1, bytes);
         let st = self.stream(dev, stream)?;
         self.capture_check(dev, "cuMemsetD8Async", Checked::OnStream(&st));
         self.push_op(
@@ -1021,7 +1065,7 @@ impl Backend for SimBackend {
     }
 
     fn query_stream(&self, dev: usize, stream: StreamHandle) -> Result<bool> {
-        self.counters.count(Call::StreamQuery);
+        self.call(Call::StreamQuery);
         let st = self.stream(dev, stream)?;
         self.capture_check(dev, "cuStreamQuery", Checked::QueryStream(&st));
         self.event_fault(dev)?;
@@ -1034,5 +1078,42 @@ impl Backend for SimBackend {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{CallCost, CostTable};
+    use std::time::Instant;
+
+    /// With `driver_time`, a call returns no sooner than its modeled time
+    /// (per call, and per unit for a size-charged call) and is counted as
+    /// without it.
+    #[test]
+    fn driver_time_spends_each_calls_modeled_time_on_the_caller() {
+        let mut t = CostTable::h200();
+        let cost = |us, us_per_unit| CallCost { us, us_per_unit };
+        t.set(Call::AddressReserve, cost(3000.0, 0.0)).unwrap();
+        t.set(Call::MemCreate, cost(0.0, 1000.0)).unwrap();
+        let sim = SimBackend::new(SimConfig {
+            driver_time: Some(Arc::new(t)),
+            ..Default::default()
+        })
+        .unwrap();
+        let start = Instant::now();
+        sim.reserve_va(0, 64 << 20).unwrap();
+        assert!(start.elapsed() >= Duration::from_millis(3));
+        let start = Instant::now();
+        // 2 MiB at 1000 µs per MiB.
+        let chunk = sim.create_chunk(0, 2 << 20).unwrap();
+        assert!(start.elapsed() >= Duration::from_millis(2));
+        sim.release_chunk(0, chunk).unwrap();
+        let c = sim.counters();
+        assert_eq!(
+            (c.get(Call::AddressReserve), c.get(Call::MemCreate)),
+            (1, 1)
+        );
+        assert_eq!(c.units_of(Call::MemCreate), 2 << 20);
     }
 }

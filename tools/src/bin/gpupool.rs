@@ -576,6 +576,12 @@ struct StressArgs {
     /// by side (addresses simulated: no --verify there).
     #[arg(long)]
     peers: bool,
+    /// Driver calls take their modeled time (the H200 table, or
+    /// GPUPOOL_CONF's driver_costs) on the calling thread, in the pool's
+    /// simulator and in the PyTorch port alike, instead of returning at
+    /// once: a call made under a lock stalls the threads behind it.
+    #[arg(long)]
+    spend_driver_time: bool,
     /// Instead: fragment one simulated device with movable blocks (random
     /// sizes, a random half freed), then compact it under concurrent load,
     /// and report reserved/live before and after (the device has
@@ -684,6 +690,7 @@ fn stress(a: &StressArgs) -> Result<()> {
         capacity_bytes,
         config,
         peers: a.peers,
+        spend_driver_time: a.spend_driver_time,
         cross_percent: a.cross_percent,
         kernel_percent: a.kernel_percent,
         kernel_time: std::time::Duration::from_micros(a.kernel_us),

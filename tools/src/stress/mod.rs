@@ -90,6 +90,11 @@ pub struct StressOptions {
     /// and its `expandable_segments` mode, each for `duration`
     /// ([`PeerStress`]).
     pub peers: bool,
+    /// The simulator spends each driver call's modeled time
+    /// (`config.driver_costs`) on the calling thread, and so does the
+    /// PyTorch port under its locks, instead of only counting it: calls
+    /// made under a lock then stall the threads behind it as on a GPU.
+    pub spend_driver_time: bool,
     /// Negative control for tests: cross-stream frees skip the event that
     /// orders them after the block's own stream (API misuse), so the
     /// verification must report corrupted bytes.
@@ -116,6 +121,7 @@ impl Default for StressOptions {
             kernel_time: Duration::from_micros(20),
             config: PoolConfig::default(),
             peers: false,
+            spend_driver_time: false,
             misuse_unordered_frees: false,
         }
     }
@@ -176,6 +182,12 @@ pub struct Progress {
     pub integrity_errors: u64,
 }
 
+/// The cost table the simulator and the PyTorch port spend, if asked.
+fn driver_time(opts: &StressOptions) -> Option<std::sync::Arc<gpupool::backend::CostTable>> {
+    opts.spend_driver_time
+        .then(|| std::sync::Arc::new(opts.config.driver_costs.clone()))
+}
+
 /// Runs the stress described by `opts`; `progress` is called from this
 /// thread while the traffic runs.
 pub fn run(opts: &StressOptions, mut progress: impl FnMut(&Progress)) -> Result<StressReport> {
@@ -184,6 +196,7 @@ pub fn run(opts: &StressOptions, mut progress: impl FnMut(&Progress)) -> Result<
         .backend(BackendKind::Sim(SimConfig {
             devices: opts.devices,
             capacity_bytes: opts.capacity_bytes,
+            driver_time: driver_time(opts),
             ..Default::default()
         }))
         .config(opts.config.clone())
@@ -259,6 +272,7 @@ pub fn run(opts: &StressOptions, mut progress: impl FnMut(&Progress)) -> Result<
             let cfg = TorchConfig {
                 expandable_segments,
                 capacity_bytes: opts.capacity_bytes,
+                driver_time: driver_time(opts),
                 ..TorchConfig::default()
             };
             let port = TorchPeer::with_events(opts.devices, cfg, rt.backend());
@@ -505,6 +519,7 @@ fn build_report(
         seed: opts.seed,
         kernel_percent: opts.kernel_percent,
         kernel_us: opts.kernel_time.as_micros() as u64,
+        driver_time_spent: opts.spend_driver_time,
         seconds: counts.seconds,
         ..Default::default()
     };

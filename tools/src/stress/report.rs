@@ -157,6 +157,9 @@ pub struct StressReport {
     pub kernel_percent: u64,
     /// Each such kernel's length in microseconds.
     pub kernel_us: u64,
+    /// Whether driver calls spent their modeled time on the calling
+    /// thread (`--spend-driver-time`) instead of being only counted.
+    pub driver_time_spent: bool,
     /// Wall time of the traffic in seconds.
     pub seconds: f64,
     /// Allocs plus frees, all devices.
@@ -364,10 +367,15 @@ impl fmt::Display for StressReport {
         )?;
         writeln!(
             f,
-            "  driver            {} calls, {:.2} ms modeled ({:.2} ms of them the harness's)",
+            "  driver            {} calls, {:.2} ms modeled ({:.2} ms of them the harness's){}",
             self.driver_calls.values().sum::<u64>(),
             self.driver_ms,
-            self.harness_driver_ms
+            self.harness_driver_ms,
+            if self.driver_time_spent {
+                ", spent on the calling threads"
+            } else {
+                ""
+            }
         )?;
         let flat = match self.reserved_flat {
             Some(true) => "yes",

@@ -14,7 +14,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::DriverCalls;
-use gpupool::backend::Call;
+use gpupool::backend::{Call, CostTable, Unit};
 
 /// Driver calls by name and the bytes they covered.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -77,6 +77,9 @@ pub(super) struct SimDevice {
     /// The address the next `cuMemAddressReserve` returns, if free.
     reserve_hint: Option<u64>,
     pub(super) counter: DriverCounter,
+    /// Spend each call's modeled time on the calling thread (see
+    /// `SimConfig::driver_time`); `None`: count only.
+    pub(super) driver_time: Option<std::sync::Arc<CostTable>>,
 }
 
 impl SimDevice {
@@ -91,6 +94,21 @@ impl SimDevice {
             reserved: BTreeMap::new(),
             reserve_hint: None,
             counter: DriverCounter::default(),
+            driver_time: None,
+        }
+    }
+
+    /// Counts one call covering `bytes` and, with `driver_time` set, spends
+    /// its modeled time (a grant's units are the 2 MiB chunks it covers).
+    pub(super) fn call(&mut self, call: Call, bytes: Option<u64>) {
+        self.counter.count(call, bytes);
+        if let Some(t) = &self.driver_time {
+            let units = match call.unit() {
+                Unit::None => 0,
+                Unit::Bytes => bytes.unwrap_or(0),
+                Unit::Chunks => bytes.unwrap_or(0).div_ceil(VA_ALIGN).max(1),
+            };
+            t.spend(call, 1, units);
         }
     }
 
@@ -151,10 +169,10 @@ impl SimDevice {
     /// `cuMemAlloc` (PyTorch's `cudaMalloc`): `None` when the device is full.
     pub(super) fn mem_alloc(&mut self, size: u64) -> Option<u64> {
         if self.used + size > self.capacity {
-            self.counter.count(Call::MemAlloc, None);
+            self.call(Call::MemAlloc, None);
             return None;
         }
-        self.counter.count(Call::MemAlloc, Some(size));
+        self.call(Call::MemAlloc, Some(size));
         self.used += size;
         let addr = match self.script.pop_front() {
             Some((s, addr)) if s == size && !self.overlaps_live(addr, size) => {
@@ -177,30 +195,30 @@ impl SimDevice {
             .live
             .remove(&addr)
             .expect("cuMemFree of an address cuMemAlloc did not return");
-        self.counter.count(Call::MemFree, Some(size));
+        self.call(Call::MemFree, Some(size));
         self.used -= size;
     }
 
     /// `cuMemCreate` of one physical chunk: false when the device is full.
     pub(super) fn mem_create(&mut self, size: u64) -> bool {
         if self.used + size > self.capacity {
-            self.counter.count(Call::MemCreate, None);
+            self.call(Call::MemCreate, None);
             return false;
         }
-        self.counter.count(Call::MemCreate, Some(size));
+        self.call(Call::MemCreate, Some(size));
         self.used += size;
         true
     }
 
     /// `cuMemRelease` of one physical chunk.
     pub(super) fn mem_release(&mut self, size: u64) {
-        self.counter.count(Call::MemRelease, Some(size));
+        self.call(Call::MemRelease, Some(size));
         self.used -= size;
     }
 
     /// `cuMemAddressReserve`: a fresh virtual range (uses no memory).
     pub(super) fn address_reserve(&mut self, size: u64) -> u64 {
-        self.counter.count(Call::AddressReserve, Some(size));
+        self.call(Call::AddressReserve, Some(size));
         let addr = match self.reserve_hint.take() {
             Some(h) if !self.overlaps_live(h, size) => {
                 self.next_va = self.next_va.max((h + size).next_multiple_of(VA_ALIGN));
@@ -218,27 +236,27 @@ impl SimDevice {
             .reserved
             .remove(&addr)
             .expect("cuMemAddressFree of a range not reserved");
-        self.counter.count(Call::AddressFree, Some(size));
+        self.call(Call::AddressFree, Some(size));
     }
 
     /// `cuMemMap` of one chunk.
     pub(super) fn map(&mut self, size: u64) {
-        self.counter.count(Call::Map, Some(size));
+        self.call(Call::Map, Some(size));
     }
 
     /// `cuMemUnmap` of one chunk.
     pub(super) fn unmap(&mut self, size: u64) {
-        self.counter.count(Call::Unmap, Some(size));
+        self.call(Call::Unmap, Some(size));
     }
 
     /// `cuMemSetAccess` over a range.
     pub(super) fn set_access(&mut self, size: u64) {
-        self.counter.count(Call::SetAccess, Some(size));
+        self.call(Call::SetAccess, Some(size));
     }
 
     /// `cuStreamSynchronize` (a host wait).
     pub(super) fn stream_synchronize(&mut self) {
-        self.counter.count(Call::StreamSynchronize, None);
+        self.call(Call::StreamSynchronize, None);
     }
 }
 
@@ -260,6 +278,29 @@ mod tests {
         assert!(d.mem_create(2 << 20));
         assert!(!d.mem_create(2 << 20));
         assert_eq!(d.counter.calls["cuMemCreate"], 2);
+    }
+
+    /// With a cost table, each call takes its modeled time: a `cuMemAlloc`
+    /// per call and per MiB, a grant per 2 MiB chunk it covers.
+    #[test]
+    fn driver_time_is_spent_per_call_and_per_unit() {
+        use gpupool::backend::CallCost;
+        use std::time::{Duration, Instant};
+        let mut t = CostTable::h200();
+        let cost = |us, us_per_unit| CallCost { us, us_per_unit };
+        t.set(Call::MemAlloc, cost(1000.0, 500.0)).unwrap();
+        t.set(Call::SetAccess, cost(0.0, 700.0)).unwrap();
+        let mut d = SimDevice::new(0, 1 << 30);
+        d.driver_time = Some(std::sync::Arc::new(t));
+        let start = Instant::now();
+        d.mem_alloc(4 << 20).unwrap();
+        // 1000 µs + 4 MiB x 500 µs.
+        assert!(start.elapsed() >= Duration::from_millis(3));
+        let start = Instant::now();
+        d.set_access(6 << 20);
+        // Three chunks of 2 MiB at 700 µs.
+        assert!(start.elapsed() >= Duration::from_micros(2100));
+        assert_eq!(d.counter.calls["cuMemSetAccess"], 1);
     }
 
     #[test]

@@ -131,6 +131,11 @@ pub struct TorchConfig {
     /// Peer devices granted access to this device's memory (each adds one
     /// `cuMemSetAccess` per mapped range of an expandable segment).
     pub peer_devices: usize,
+    /// Spend each driver call's modeled time on the calling thread, under
+    /// the port's locks as PyTorch makes it (`stress --spend-driver-time`);
+    /// `None`: count only. Not a PyTorch setting.
+    #[serde(skip)]
+    pub driver_time: Option<std::sync::Arc<gpupool::backend::CostTable>>,
 }
 
 impl Default for TorchConfig {
@@ -144,6 +149,7 @@ impl Default for TorchConfig {
             memory_fraction: None,
             capacity_bytes: 80 << 30,
             peer_devices: 0,
+            driver_time: None,
         }
     }
 }

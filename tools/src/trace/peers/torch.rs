@@ -214,8 +214,10 @@ impl TorchAllocator {
         let allowed_memory_maximum = cfg
             .memory_fraction
             .map_or(0, |f| (f * cfg.capacity_bytes as f64) as u64);
+        let mut device = SimDevice::new(index, cfg.capacity_bytes);
+        device.driver_time = cfg.driver_time.clone();
         TorchAllocator {
-            device: SimDevice::new(index, cfg.capacity_bytes),
+            device,
             cfg,
             arena: Arena::default(),
             small: BlockPool::new(true),
