@@ -18,7 +18,9 @@
 //! * **Faults**: fail the n-th physical allocation, cap the capacity, delay or
 //!   fail event operations, stall a stream ([`SimBackend`]'s `fail_*`/`set_*`
 //!   methods).
-//! * **Counters**: every driver-level call and every host-blocking sync.
+//! * **Counters**: every driver-level call and every host-blocking sync;
+//!   with [`SimConfig::driver_time`], each call also takes its modeled time
+//!   on the calling thread.
 //!
 //! Limits of the model: no caches or memory consistency beyond program
 //! order per stream, no timing fidelity (delays are wall-clock sleeps), the
