@@ -156,6 +156,10 @@ impl PoolConfig {
             "simulated memory: memory | accounting (default memory)",
         ),
         (
+            "driver_time",
+            "simulated driver calls: counted (the default: costed in reports only) | spent (each takes its modeled time, at driver_costs, on the calling thread, as on a GPU)",
+        ),
+        (
             "small_max",
             "largest request served from size-class slabs (default 1MiB)",
         ),
@@ -251,6 +255,7 @@ impl PoolConfig {
         let mut backend = None;
         // `cost.*` keys apply over the cost file wherever they stand.
         let mut cost_keys = Vec::new();
+        let mut spend = false;
         for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
             let (key, value) = item.split_once('=').ok_or_else(|| Error::Config {
                 key: item.to_string(),
@@ -288,6 +293,13 @@ impl PoolConfig {
                         "memory" => SimBacking::Memory,
                         "accounting" => SimBacking::Accounting,
                         _ => return Err(bad(format!("{value}: expected memory or accounting"))),
+                    }
+                }
+                "driver_time" => {
+                    spend = match value {
+                        "counted" => false,
+                        "spent" => true,
+                        _ => return Err(bad(format!("{value}: expected counted or spent"))),
                     }
                 }
                 "small_max" => c.small_max = nonzero(parse_size(value)).map_err(bad)?,
@@ -401,6 +413,8 @@ impl PoolConfig {
             let src = format!("{} with {key}={value}", c.driver_costs.source());
             c.driver_costs = c.driver_costs.clone().with_source(src);
         }
+        // The table as the whole string sets it, wherever the key stands.
+        c.sim.driver_time = spend.then(|| std::sync::Arc::new(c.driver_costs.clone()));
         c.backend = match backend.as_deref() {
             None | Some("auto") => BackendKind::Auto,
             Some("sim") => BackendKind::Sim(c.sim.clone()),
@@ -559,11 +573,36 @@ mod tests {
         );
     }
 
+    /// `driver_time=spent` hands the simulator the final cost table, with
+    /// the `cost.` keys applied wherever they stand; `counted` (and no
+    /// key) none; anything else is a typed error.
+    #[test]
+    fn driver_time_spent_gives_the_simulator_the_final_table() {
+        let c = PoolConfig::parse("driver_time=spent,backend=sim,cost.cuMemMap=7").unwrap();
+        let t = c.sim.driver_time.as_ref().expect("a table to spend");
+        assert_eq!(t.cost(Call::Map).us, 7.0);
+        match &c.backend {
+            BackendKind::Sim(s) => assert_eq!(s.driver_time.as_deref(), Some(&**t)),
+            other => panic!("{other:?}"),
+        }
+        assert!(PoolConfig::parse("driver_time=counted")
+            .unwrap()
+            .sim
+            .driver_time
+            .is_none());
+        assert!(PoolConfig::default().sim.driver_time.is_none());
+        match PoolConfig::parse("driver_time=slept") {
+            Err(Error::Config { key, .. }) => assert_eq!(key, "driver_time"),
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn every_documented_key_is_accepted() {
         let values = |k: &str| match k {
             "backend" => "sim",
             "backing" => "accounting",
+            "driver_time" => "spent",
             "vmm" | "handover" | "thread_cache" | "compact_release" => "false",
             "granularity" => "64KiB",
             "fraction" | "stitch_share" => "0.5",

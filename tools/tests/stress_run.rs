@@ -142,6 +142,29 @@ fn serving_with_driver_time_spent_is_clean() {
     assert_eq!(r.false_ooms, 0);
 }
 
+/// `GPUPOOL_CONF`'s `driver_time=spent` asks the same of a stress run.
+#[test]
+fn driver_time_spent_in_the_configuration_reaches_the_stress_run() {
+    let o = StressOptions {
+        duration: Duration::from_millis(300),
+        verify: false,
+        config: gpupool::PoolConfig::parse("driver_time=spent").unwrap(),
+        ..opts(Workload::Serving, 1, 2, 1)
+    };
+    let r = run(&o, |_| {}).unwrap();
+    assert!(r.passed(), "{r}");
+    assert!(r.driver_time_spent);
+    let plain = run(
+        &StressOptions {
+            config: gpupool::PoolConfig::default(),
+            ..o
+        },
+        |_| {},
+    )
+    .unwrap();
+    assert!(!plain.driver_time_spent);
+}
+
 /// The checker works: frees from another stream that skip the ordering
 /// event (API misuse) let the pool hand memory to new work while the old
 /// verify kernels are still queued, and the run reports corrupted bytes.

@@ -579,7 +579,8 @@ struct StressArgs {
     /// Driver calls take their modeled time (the H200 table, or
     /// GPUPOOL_CONF's driver_costs) on the calling thread, in the pool's
     /// simulator and in the PyTorch port alike, instead of returning at
-    /// once: a call made under a lock stalls the threads behind it.
+    /// once: a call made under a lock stalls the threads behind it
+    /// (also GPUPOOL_CONF=driver_time=spent).
     #[arg(long)]
     spend_driver_time: bool,
     /// Instead: fragment one simulated device with movable blocks (random

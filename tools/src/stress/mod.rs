@@ -182,10 +182,12 @@ pub struct Progress {
     pub integrity_errors: u64,
 }
 
-/// The cost table the simulator and the PyTorch port spend, if asked.
+/// The cost table the simulator and the PyTorch port spend, if asked
+/// (`spend_driver_time`, or `driver_time=spent` in the configuration).
 fn driver_time(opts: &StressOptions) -> Option<std::sync::Arc<gpupool::backend::CostTable>> {
     opts.spend_driver_time
         .then(|| std::sync::Arc::new(opts.config.driver_costs.clone()))
+        .or_else(|| opts.config.sim.driver_time.clone())
 }
 
 /// Runs the stress described by `opts`; `progress` is called from this
@@ -519,7 +521,7 @@ fn build_report(
         seed: opts.seed,
         kernel_percent: opts.kernel_percent,
         kernel_us: opts.kernel_time.as_micros() as u64,
-        driver_time_spent: opts.spend_driver_time,
+        driver_time_spent: driver_time(opts).is_some(),
         seconds: counts.seconds,
         ..Default::default()
     };
