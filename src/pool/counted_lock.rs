@@ -21,7 +21,7 @@
 //! holder may be descheduled, and a crowd of spinners would keep it off
 //! the cores; the others sleep as before.
 //!
-//! Invariants: `spinners` is 1 while a thread spins for this lock, else 0;
+//! Invariants: `spinning` is true while a thread spins for this lock;
 //! a spin never holds anything, so it cannot deadlock, only take at most
 //! [`SPIN`] of one core per contended acquisition.
 
