@@ -1085,6 +1085,56 @@ fn alloc_and_free_never_block_the_host() {
     dev.audit().unwrap();
 }
 
+/// Raw frees find their slot through the slab index; once a trim retires
+/// the slabs (their ids are then reused for slabs elsewhere), a stale
+/// pointer into one is refused and leaves every live block alone, whatever
+/// now lies at its address.
+#[test]
+fn stale_raw_pointers_into_retired_slabs_are_refused() {
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let s = dev.new_stream().unwrap();
+    let old: Vec<DevicePtr> = (0..300)
+        .map(|i| dev.alloc_raw(4096 + (i % 3) * 256, &s).unwrap())
+        .collect();
+    for &p in &old {
+        dev.free_raw(p, &s).unwrap();
+    }
+    rt.trim().unwrap();
+    assert_eq!(dev.stats().reserved_bytes.current, 0);
+    // New blocks over the same addresses: small ones (slabs that reuse the
+    // retired ids, maybe at other bases) and large ones.
+    let small: Vec<DevicePtr> = (0..300)
+        .map(|i| dev.alloc_raw(8192 + (i % 5) * 512, &s).unwrap())
+        .collect();
+    let large: Vec<DevicePtr> = (0..4)
+        .map(|_| dev.alloc_raw(3 * MIB as usize, &s).unwrap())
+        .collect();
+    let live: std::collections::HashSet<u64> =
+        small.iter().chain(&large).map(|p| p.addr()).collect();
+    let before = dev.stats();
+    for p in old.iter().filter(|p| !live.contains(&p.addr())) {
+        assert!(
+            matches!(
+                dev.free_raw(*p, &s),
+                Err(Error::DoubleFree { .. } | Error::UnknownPointer { .. })
+            ),
+            "{p:?}"
+        );
+    }
+    let after = dev.stats();
+    assert_eq!(after.num_frees, before.num_frees);
+    assert_eq!(
+        after.requested_bytes.current,
+        before.requested_bytes.current
+    );
+    for p in small.into_iter().chain(large) {
+        dev.free_raw(p, &s).unwrap();
+    }
+    dev.audit().unwrap();
+    assert_eq!(dev.stats().requested_bytes.current, 0);
+}
+
 #[test]
 fn trim_gives_everything_back_once_blocks_are_gone() {
     let rt = sim_runtime(2, 256 * MIB);

@@ -3,6 +3,7 @@
 
 use super::heap::{Piece, Tag};
 use super::pending::Pending;
+use super::small::Slab;
 use super::snapshot::{BlockInfo, BlockState, HistoryEvent, SegmentInfo, Snapshot};
 use super::stream::STREAM_SLOTS;
 use super::{PoolShared, PoolStats};
@@ -223,8 +224,8 @@ impl PoolShared {
                 match piece {
                     Piece::Allocated => {
                         let slab = self
-                            .slab_index
-                            .lookup(addr)
+                            .slab_at(addr)
+                            .map(Slab::id)
                             .filter(|&id| self.slabs.slab_info(id).0 == addr);
                         if let Some(id) = slab {
                             self.push_large_segment(&mut segments, std::mem::take(&mut blocks));

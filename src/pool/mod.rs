@@ -938,7 +938,8 @@ impl PoolShared {
         let id = self.slabs.slab_of(idxs[0]);
         h.slab_bytes += sb;
         h.slab_tail_bytes += self.slabs.tail_bytes(class);
-        self.slab_index.insert(taken.addr, sb, id);
+        self.slab_index
+            .insert(taken.addr, sb, self.slabs.header_ptr(id));
         let (first, rest) = idxs.split_first().expect("a slab has slots");
         match slot {
             // The creator keeps a run of the first slots (as a refill from

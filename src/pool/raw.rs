@@ -3,13 +3,23 @@
 //! recorded for it (`record_stream`). A bad pointer (unknown, interior,
 //! freed, a block's) is a typed error that changes nothing.
 
-use super::small::{RawMiss, SlotRef};
+use super::small::{RawMiss, Slab, SlotRef};
 use super::*;
 
 impl PoolShared {
+    /// The header of the slab whose range may hold `addr` (bounds and
+    /// liveness unchecked), if any.
+    #[inline(always)]
+    pub(super) fn slab_at(&self, addr: u64) -> Option<&Slab> {
+        let h = self.slab_index.lookup(addr)?;
+        // SAFETY: the index holds headers of `self.slabs` only (its
+        // invariant), which never move or go while `self` lives.
+        Some(unsafe { &*h })
+    }
+
     /// The slab id holding `addr`, if it lies in a slab.
     pub(super) fn slab_holding(&self, addr: u64) -> Option<u32> {
-        let id = self.slab_index.lookup(addr)?;
+        let id = self.slab_at(addr)?.id();
         let (base, class, _) = self.slabs.slab_info(id);
         (base != 0 && addr >= base && addr < base + self.slabs.slab_bytes(class)).then_some(id)
     }
@@ -46,8 +56,8 @@ impl PoolShared {
         self.check_live()?;
         self.check_stream(stream)?;
         let addr = ptr.addr();
-        let slab = match self.slab_index.lookup(addr) {
-            Some(id) => match self.slabs.free_raw_slot(id, addr) {
+        let slab = match self.slab_at(addr) {
+            Some(h) => match self.slabs.free_raw_slot(h, addr) {
                 Ok(got) => Some(got),
                 Err(RawMiss::Outside) => None,
                 Err(RawMiss::Interior) => {

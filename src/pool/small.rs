@@ -58,8 +58,10 @@ struct SlabArrays {
 }
 
 /// The bit of a slot's `requested` word that marks a live raw allocation
-/// (small sizes stay below a granule / 8, far under 2^31).
-const RAW_LIVE: u32 = 1 << 31;
+/// (small sizes stay below a granule / 8, far under 2^30). Not the top
+/// bit: LLVM makes a claim of bit 30 one `lock btr`, of bit 31 a
+/// compare-exchange loop.
+const RAW_LIVE: u32 = 1 << 30;
 
 /// One slab's header.
 #[derive(Debug, Default)]
@@ -68,7 +70,25 @@ pub(crate) struct Slab {
     base: AtomicU64,
     class: AtomicU32,
     nslots: AtomicU32,
+    /// The slab's bytes, its slots' size and `ceil(2^64 / size)`: fixed
+    /// per class, so fixed for the header once first installed (an id is
+    /// reused within its class only). A raw free reads them here, on the
+    /// line it reads `base` from, instead of in the per-class tables one
+    /// dependent load further.
+    bytes: AtomicU64,
+    size: AtomicU64,
+    recip: AtomicU64,
+    /// This header's id (its place in the chunks), set when its chunk is
+    /// made.
+    id: u32,
     arrays: OnceLock<SlabArrays>,
+}
+
+impl Slab {
+    /// This header's slab id.
+    pub(crate) fn id(&self) -> u32 {
+        self.id
+    }
 }
 
 /// Per-class stacks.
@@ -375,9 +395,13 @@ impl Slabs {
                 if id as usize / CHUNK >= self.max_chunks {
                     return None;
                 }
+                let first = id - id % CHUNK as u32;
                 self.chunks[id as usize / CHUNK].get_or_init(|| {
-                    (0..CHUNK)
-                        .map(|_| Slab::default())
+                    (0..CHUNK as u32)
+                        .map(|i| Slab {
+                            id: first + i,
+                            ..Slab::default()
+                        })
                         .collect::<Box<[_]>>()
                         .try_into()
                         .expect("CHUNK headers")
@@ -399,10 +423,19 @@ impl Slabs {
         );
         slab.class.store(class as u32, Relaxed);
         slab.nslots.store(n, Relaxed);
+        slab.bytes.store(self.slab_bytes(class), Relaxed);
+        slab.size.store(self.classes.size_of(class), Relaxed);
+        slab.recip.store(self.recips[class], Relaxed);
         // Release: whoever pops one of these slots (Acquire on the stack
         // head) sees the class and base above.
         slab.base.store(base, Release);
         Some((0..n).map(|s| id << SLOT_BITS | s).collect())
+    }
+
+    /// The header of slab `id` (for the slab index: headers never move
+    /// or go while these `Slabs` live).
+    pub(crate) fn header_ptr(&self, id: u32) -> *const Slab {
+        self.header(id)
     }
 
     /// Marks a slab id unused; its slots must be on no stack.
@@ -489,41 +522,52 @@ impl Slabs {
     }
 
     /// The raw free of the block at `addr`, which the slab index placed
-    /// in slab `id`: the slot and the requested size of the live raw
-    /// allocation there, its live bit cleared (one header and one array
-    /// lookup).
+    /// in the slab of header `h` (one of these `Slabs`): the slot and the
+    /// requested size of the live raw allocation there, its live bit
+    /// cleared. Every figure comes from the header itself, so the slot's
+    /// word is two dependent loads from the index entry.
     #[inline]
     pub(crate) fn free_raw_slot(
         &self,
-        id: u32,
+        h: &Slab,
         addr: u64,
     ) -> Result<(SlotRef, u64, SizeWord), RawMiss> {
-        let h = self.header(id);
         let base = h.base.load(Acquire);
-        let class = h.class.load(Relaxed) as usize;
-        if base == 0 || addr < base || addr - base >= self.slab_bytes(class) {
+        // A slab is aligned to its (power of two) size.
+        let bytes = h.bytes.load(Relaxed);
+        if base == 0 || addr & !(bytes.wrapping_sub(1)) != base {
             return Err(RawMiss::Outside);
         }
         let off = addr - base;
-        let Some(s) = self
-            .slot_of_offset(class, off)
-            .filter(|&s| s < u64::from(h.nslots.load(Relaxed)))
-        else {
+        let size = h.size.load(Relaxed);
+        // As in `slot_of_offset`, with the header's copies of the class's
+        // figures.
+        let s = ((u128::from(off) * u128::from(h.recip.load(Relaxed))) >> 64) as u64;
+        if s.wrapping_mul(size) != off || s >= u64::from(h.nslots.load(Relaxed)) {
             return Err(RawMiss::Interior);
-        };
+        }
         let s = s as usize;
         let a = h
             .arrays
             .get()
             .expect("slab arrays exist before its slots are used");
         let cell = &a.requested[s];
-        let word = cell.fetch_and(!RAW_LIVE, AcqRel);
-        if word & RAW_LIVE == 0 {
+        // Only the live bit of the old value is used, so this is one
+        // `lock btr` on x86, not a compare-exchange loop.
+        if cell.fetch_and(!RAW_LIVE, AcqRel) & RAW_LIVE == 0 {
             return Err(RawMiss::NotLive);
         }
-        let idx = id << SLOT_BITS | s as u32;
+        // The size is read after the claim: nobody writes the word until
+        // the slot is allocated again, which it cannot be before this free
+        // puts it back.
+        let word = cell.load(Relaxed);
+        let idx = h.id << SLOT_BITS | s as u32;
         Ok((
-            SlotRef { idx, class, addr },
+            SlotRef {
+                idx,
+                class: h.class.load(Relaxed) as usize,
+                addr,
+            },
             u64::from(word & !RAW_LIVE),
             SizeWord(cell),
         ))
