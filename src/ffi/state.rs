@@ -20,10 +20,10 @@
 //!   `current` (`thread.rs`) holds the outer call's state for exactly as
 //!   long as the outer call holds it. Init and shutdown from inside a
 //!   call are refused (they would wait for the caller's own call).
-//! - Each thread remembers the last (device, stream) it named
-//!   (`last_stream`), so a call on the same stream as the one before
-//!   reads no stream map. The memory is valid while the state's
-//!   generation and the device's stream epoch are those it recorded: a
+//! - Each thread remembers the last few (device, stream) pairs it named
+//!   (`recent_streams`), so a call on one of them reads no stream map.
+//!   Each memory is valid while the state's generation and the device's
+//!   stream epoch are those it recorded: a
 //!   removal from a stream map raises the epoch under the map's write
 //!   lock, and the removed stream is dropped only after a grace period
 //!   (a write lock of [`GLOBAL`], then `readers::synchronize`: every call
@@ -35,7 +35,7 @@ use super::limits::call_oom_callback;
 use super::readers;
 use super::status::{status, FResult, Fail, GpupoolStatus};
 use super::text::c_str;
-use super::thread::{with_thread, FfiThread, LastStream};
+use super::thread::{with_thread, FfiThread, LastStream, RECENT_STREAMS};
 use crate::config::PoolConfig;
 use crate::error::Error;
 use crate::pool::{DevicePool, Stream};
@@ -202,7 +202,7 @@ fn in_call() -> bool {
 /// Drops a stream removed by [`State::remove_stream`] after a grace period:
 /// a write lock of [`GLOBAL`] and `readers::synchronize`, which wait for
 /// every call in flight (any of which may hold the stream through its
-/// thread's `last_stream`). From inside a call it is kept until the next
+/// thread's `recent_streams`). From inside a call it is kept until the next
 /// grace period or the shutdown instead.
 pub(super) fn bury(gone: Option<Box<Known>>) {
     let Some(k) = gone else { return };
@@ -414,6 +414,39 @@ impl State {
         self.with_stream_for(t, device, handle, Some(addr), f)
     }
 
+    /// Whether `m` is a valid memory of (`device`, `h`) for this state
+    /// (same generation, the device's stream epoch unchanged).
+    #[inline(always)]
+    fn remembers(&self, m: &LastStream, device: c_int, h: u64) -> bool {
+        m.generation == self.generation
+            && m.device == device
+            && m.handle == h
+            && usize::try_from(device)
+                .ok()
+                .and_then(|d| self.stream_epochs.get(d))
+                .is_some_and(|e| e.load(Ordering::Acquire) == m.epoch)
+    }
+
+    /// A valid memory of (`device`, `h`) among the thread's other recent
+    /// streams, moved to the front (the others one down).
+    #[cold]
+    #[inline(never)]
+    fn recall(
+        &self,
+        t: &FfiThread,
+        device: c_int,
+        h: u64,
+    ) -> Option<(*const DevicePool, *const Stream)> {
+        let r = &t.recent_streams;
+        let i = (1..RECENT_STREAMS).find(|&i| self.remembers(&r[i].get(), device, h))?;
+        let m = r[i].get();
+        for j in (1..=i).rev() {
+            r[j].set(r[j - 1].get());
+        }
+        r[0].set(m);
+        Some((m.pool, m.stream))
+    }
+
     #[inline(always)]
     fn with_stream_for<T>(
         &self,
@@ -424,25 +457,23 @@ impl State {
         f: impl FnOnce(&DevicePool, &Stream) -> FResult<T>,
     ) -> FResult<T> {
         let h = handle as usize as u64;
-        let last = t.last_stream.get();
-        if last.generation == self.generation && last.device == device && last.handle == h {
-            let d = usize::try_from(device).unwrap_or(usize::MAX);
-            if self
-                .stream_epochs
-                .get(d)
-                .is_some_and(|e| e.load(Ordering::Acquire) == last.epoch)
-            {
-                // SAFETY: recorded by this thread for this very state
-                // (same generation), which outlives the call (our read
-                // lock of GLOBAL holds it). The pool lives as long as the
-                // state; the stream is the default stream of that pool or
-                // a boxed entry of the device's map, not removed since
-                // (same epoch), or removed but not yet dropped: a removed
-                // stream is dropped only after a grace period, which
-                // waits for this call (see the file's invariants).
-                let (pool, stream) = unsafe { (&*last.pool, &*last.stream) };
-                return f(pool, stream);
-            }
+        let last = t.recent_streams[0].get();
+        let found = if self.remembers(&last, device, h) {
+            Some((last.pool, last.stream))
+        } else {
+            self.recall(t, device, h)
+        };
+        if let Some((pool, stream)) = found {
+            // SAFETY: recorded by this thread for this very state (same
+            // generation), which outlives the call (the caller holds it).
+            // The pool lives as long as the state; the stream is the
+            // default stream of that pool or a boxed entry of the
+            // device's map, not removed since (same epoch), or removed
+            // but not yet dropped: a removed stream is dropped only after
+            // a grace period, which waits for this call (see the file's
+            // invariants).
+            let (pool, stream) = unsafe { (&*pool, &*stream) };
+            return f(pool, stream);
         }
         if let Some(addr) = pointer {
             self.require_built(device, addr)?;
@@ -464,7 +495,11 @@ impl State {
         let pool = self.pool(device)?;
         let dev = pool.device();
         let remember = |stream: &Stream, epoch: u64| {
-            t.last_stream.set(LastStream {
+            // The least recent memory goes.
+            for i in (1..RECENT_STREAMS).rev() {
+                t.recent_streams[i].set(t.recent_streams[i - 1].get());
+            }
+            t.recent_streams[0].set(LastStream {
                 generation: self.generation,
                 device,
                 handle: h,

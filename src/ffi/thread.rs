@@ -13,7 +13,7 @@
 //! Invariants: the record is `const`-initialized and has no destructor, so
 //! it is never torn down and [`with_thread`] never fails, even during
 //! thread exit; each field is owned by the file that documents it
-//! (`current` and `last_stream` by `state.rs`, `has_message` by
+//! (`current` and `recent_streams` by `state.rs`, `has_message` by
 //! `status.rs`, `tag` by `pause.rs`, `reader` by `readers.rs`).
 
 use super::readers::ReaderSlot;
@@ -22,8 +22,8 @@ use crate::pool::{DevicePool, Stream};
 use std::cell::Cell;
 use std::ffi::c_int;
 
-/// A thread's last (device, stream) and what it resolved to (see
-/// `state.rs`'s invariants).
+/// One of a thread's recent (device, stream) pairs and what it resolved to
+/// (see `state.rs`'s invariants).
 #[derive(Clone, Copy)]
 pub(super) struct LastStream {
     pub(super) generation: u64,
@@ -45,13 +45,19 @@ impl LastStream {
     };
 }
 
+/// Streams a thread remembers.
+pub(super) const RECENT_STREAMS: usize = 4;
+
 /// What the ABI keeps per thread.
 pub(super) struct FfiThread {
     /// The state of the call this thread is inside, for as long as that
     /// call holds it (`state.rs`); null outside calls.
     pub(super) current: Cell<*const State>,
-    /// This thread's last stream.
-    pub(super) last_stream: Cell<LastStream>,
+    /// This thread's most recently named streams, the last one first: a
+    /// thread takes turns on a few streams (compute, copies,
+    /// communication), and with one remembered every turn read a stream
+    /// map (a pair on three streams in turn cost 2.2x a pair on one).
+    pub(super) recent_streams: [Cell<LastStream>; RECENT_STREAMS],
     /// Whether the thread's last-call message is non-empty: one plain read
     /// on the fast path (every successful call) instead of a borrow.
     pub(super) has_message: Cell<bool>,
@@ -66,7 +72,7 @@ thread_local! {
     static FFI: FfiThread = const {
         FfiThread {
             current: Cell::new(std::ptr::null()),
-            last_stream: Cell::new(LastStream::NONE),
+            recent_streams: [const { Cell::new(LastStream::NONE) }; RECENT_STREAMS],
             has_message: Cell::new(false),
             tag: Cell::new(None),
             reader: Cell::new(None),

@@ -613,7 +613,7 @@ impl PoolShared {
     // ---- allocation ---------------------------------------------------------------
 
     /// The fast lane of an allocation: a small slot from this thread's
-    /// front magazine (`magazine.rs`), counted; `None` sends the caller to
+    /// magazine of `stream` (`magazine.rs`), counted; `None` sends the caller to
     /// [`PoolShared::alloc`], which also makes every check's error.
     /// Returns the pointer, the slot and its class, and the slot's size
     /// word.
@@ -635,7 +635,7 @@ impl PoolShared {
         // The rack's invariant, checked in debug builds (a word that
         // strayed to another slot would write that slot's size).
         debug_assert_eq!(word, self.slabs.size_word(idx));
-        // SAFETY: the slot came from the front magazine of `stream`, whose
+        // SAFETY: the slot came from this thread's magazine of `stream`, whose
         // pool is this one (checked above): its rack keeps the slot's size
         // word in this pool's slabs.
         unsafe { self.slabs.note_alloc_at(word, size, raw) };
@@ -1010,7 +1010,7 @@ impl PoolShared {
     }
 
     /// The fast lane of a small free used on its own stream only: into this
-    /// thread's front magazine if it is `stream`'s and has room (such a
+    /// thread's magazine of `stream` if it has one with room (such a
     /// free is never deferred by a capture: see `defer_free`); `false` if
     /// the caller must call [`PoolShared::free_block`]. `stream` is of
     /// this pool; `word` is the slot's size word in this pool's slabs.

@@ -59,20 +59,31 @@ fn main() -> gpupool::Result<()> {
                 hs.into_iter().try_for_each(|h| h.join().expect("thread"))
             })?;
         }
-        "c_abi" | "torch_hook" => {
+        "c_abi" | "torch_hook" | "c_abi_3streams" => {
             let conf = c"backend=sim,devices=1,backing=accounting,capacity=8GiB,maint_ms=0";
             // SAFETY: a NUL-terminated string that outlives the call.
             assert_eq!(unsafe { gpupool_init(conf.as_ptr()) }, 0);
-            let c_abi = door == "c_abi";
+            let c_abi = door != "torch_hook";
+            // A thread that takes turns on three streams (compute, copy and
+            // communication, as a training step does).
+            let ways = if door == "c_abi_3streams" { 3 } else { 1 };
             std::thread::scope(|sc| {
                 for _ in 0..threads {
                     sc.spawn(|| {
                         // Each thread on a stream of its own (as a raw
                         // address, which is Send).
-                        let mut s = std::ptr::null_mut();
-                        // SAFETY: `s` is valid for one pointer write.
-                        assert_eq!(unsafe { gpupool_stream_create(0, &mut s) }, 0);
+                        let streams: Vec<usize> = (0..ways)
+                            .map(|_| {
+                                let mut s = std::ptr::null_mut();
+                                // SAFETY: `s` is valid for one pointer write.
+                                assert_eq!(unsafe { gpupool_stream_create(0, &mut s) }, 0);
+                                s as usize
+                            })
+                            .collect();
+                        let mut k = 0;
                         for _ in 0..n {
+                            let s = streams[k] as *mut std::ffi::c_void;
+                            k = if k + 1 == ways { 0 } else { k + 1 };
                             if c_abi {
                                 let mut p = std::ptr::null_mut();
                                 // SAFETY: `p` is valid for one pointer write.
@@ -84,14 +95,18 @@ fn main() -> gpupool::Result<()> {
                                 gpupool_torch_free(black_box(p), SIZE as libc::ssize_t, 0, s);
                             }
                         }
-                        assert_eq!(gpupool_stream_destroy(0, s), 0);
+                        for s in streams {
+                            assert_eq!(gpupool_stream_destroy(0, s as *mut std::ffi::c_void), 0);
+                        }
                     });
                 }
             });
             assert_eq!(gpupool_shutdown(), 0);
         }
         _ => {
-            eprintln!("usage: door_pairs rust_api|rust_raw|c_abi|torch_hook [N] [THREADS]");
+            eprintln!(
+                "usage: door_pairs rust_api|rust_raw|c_abi|c_abi_3streams|torch_hook [N] [THREADS]"
+            );
             std::process::exit(2);
         }
     }
