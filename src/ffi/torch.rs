@@ -7,7 +7,7 @@
 //! allocation initializes gpupool from `GPUPOOL_CONF` when `gpupool_init`
 //! was not called.
 
-use super::alloc::free_impl;
+use super::alloc::{alloc_in, free_impl};
 use super::state::{ensure_init, with_state, with_state_in};
 use super::status::{report_to_stderr, run, run_in, Fail, GpupoolStatus};
 use super::thread::{with_thread, FfiThread};
@@ -52,13 +52,7 @@ fn torch_malloc(
         if size == 0 {
             return Ok(std::ptr::null_mut());
         }
-        let alloc = move || {
-            with_state_in(t, move |st| {
-                st.with_stream_in(t, device, stream, move |pool, s| {
-                    Ok(super::pause::alloc_raw(t, pool, size, s)?)
-                })
-            })
-        };
+        let alloc = move || with_state_in(t, move |st| alloc_in(t, st, size, device, stream));
         // One read of the global state on the fast path; the first call
         // initializes from `GPUPOOL_CONF` and tries again.
         let p = match alloc() {
