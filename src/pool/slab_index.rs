@@ -9,7 +9,8 @@
 //! allocated zeroed, so the system hands out its pages on first touch: a
 //! 141 GB device with the default `va_factor` of 4 reserves 69 MB of
 //! address space for it and commits a page per 32 MiB of addresses that
-//! ever held a slab. A lookup racing a slab's retirement may see the old
+//! ever held a slab (under strict overcommit, `vm.overcommit_memory=2`,
+//! all 69 MB count against the commit limit). A lookup racing a slab's retirement may see the old
 //! header; the caller then finds the slab unused (base 0) or elsewhere,
 //! and treats the pointer as not live. In segment mode (no single
 //! reservation) a B-tree behind a read-write lock does the same job.
