@@ -8,9 +8,10 @@
 //! streams (a server thread takes requests for many streams in turn: with
 //! two, it emptied and rebuilt a magazine on almost every free; with four,
 //! one thread on eight streams spent a fifth of its pool time rebuilding
-//! them, serving 1x8 at 181-202 ns per operation against 151-152); the least
-//! recent is emptied into its stream's dirty stacks when another stream
-//! comes along, and all are emptied when the thread exits, before a trim or
+//! them, serving 1x8 at 181-202 ns per operation against 151-152). The
+//! ways are ordered by the general path's last use (the fast lanes move
+//! none); the last is emptied into its stream's dirty stacks when another
+//! stream comes along, and all are emptied when the thread exits, before a trim or
 //! an audit on this thread, when the pool reclaims on this thread, and when
 //! the pool is dropped on this thread. `thread_cache=false` turns magazines
 //! off. Other threads' magazines hold at most [`CAP`] slots per class
