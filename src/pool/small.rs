@@ -421,6 +421,11 @@ impl Slabs {
             n as usize,
             "slab ids are reused within their class"
         );
+        // A raw free finds the slab's base by masking (`free_raw_slot`).
+        debug_assert!(
+            self.slab_bytes(class).is_power_of_two() && base % self.slab_bytes(class) == 0,
+            "a slab is a power of two of bytes, aligned to itself"
+        );
         slab.class.store(class as u32, Relaxed);
         slab.nslots.store(n, Relaxed);
         slab.bytes.store(self.slab_bytes(class), Relaxed);
