@@ -390,6 +390,31 @@ def test_torch_patch_stats_answers_with_gpupool(pool, monkeypatch):
     assert fake.cuda.memory_stats is refuse and fake.cuda.memory.max_memory_allocated is refuse
 
 
+def test_torch_hooks_start_gpupool_from_gpupool_conf():
+    """Without gpupool_init, the first malloc starts gpupool from
+    GPUPOOL_CONF (here the simulator) and is served; so are the next."""
+    import os
+    import subprocess
+
+    code = (
+        "import ctypes, gpupool._lib as L\n"
+        "lib = L.lib()\n"
+        "lib.gpupool_torch_malloc.restype = ctypes.c_void_p\n"
+        "lib.gpupool_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]\n"
+        "lib.gpupool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]\n"
+        "ps = [lib.gpupool_torch_malloc(n, 0, None) for n in (4096, 3 << 20, 4096)]\n"
+        "print('PTRS' if all(ps) and len(set(ps)) == 3 else 'NULL', lib.gpupool_last_error().decode())\n"
+        "for p, n in zip(ps, (4096, 3 << 20, 4096)):\n"
+        "    lib.gpupool_torch_free(p, n, 0, None)\n"
+        "print('FREED', lib.gpupool_last_error().decode())\n"
+    )
+    env = dict(os.environ)
+    env["GPUPOOL_CONF"] = "backend=sim,devices=1,capacity=64MiB,maint_ms=0"
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    assert out.splitlines() == ["PTRS ", "FREED "], out
+
+
 def test_torch_hooks_never_start_the_simulator_unasked():
     """The hooks' implicit start (GPUPOOL_CONF without a backend) is CUDA:
     where there is no driver, the first malloc fails and says so."""

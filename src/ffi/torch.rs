@@ -9,7 +9,7 @@
 
 use super::alloc::{alloc_in, free_impl};
 use super::state::{ensure_init, with_state, with_state_in};
-use super::status::{report_to_stderr, run, run_in, Fail, GpupoolStatus};
+use super::status::{report_to_stderr, run, run_in, FResult, Fail, GpupoolStatus};
 use super::thread::{with_thread, FfiThread};
 use crate::ptr::DevicePtr;
 use std::ffi::{c_int, c_void};
@@ -52,13 +52,11 @@ fn torch_malloc(
         if size == 0 {
             return Ok(std::ptr::null_mut());
         }
-        let alloc = move || with_state_in(t, move |st| alloc_in(t, st, size, device, stream));
         // One read of the global state on the fast path; the first call
         // initializes from `GPUPOOL_CONF` and tries again.
-        let p = match alloc() {
+        let p = match with_state_in(t, move |st| alloc_in(t, st, size, device, stream)) {
             Err(f) if f.status == GpupoolStatus::NotInitialized => {
-                ensure_init()?;
-                alloc()?
+                first_alloc(t, size, device, stream)?
             }
             r => r?,
         };
@@ -68,6 +66,21 @@ fn torch_malloc(
         report_to_stderr();
         std::ptr::null_mut()
     })
+}
+
+/// The first allocation of a process that did not call `gpupool_init`:
+/// initializes from `GPUPOOL_CONF` and allocates (out of line, so that
+/// the hook's fast path stays one call).
+#[cold]
+#[inline(never)]
+fn first_alloc(
+    t: &FfiThread,
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) -> FResult<DevicePtr> {
+    ensure_init()?;
+    with_state_in(t, move |st| alloc_in(t, st, size, device, stream))
 }
 
 /// PyTorch's `CUDAPluggableAllocator` free hook

@@ -98,6 +98,7 @@ impl Captures {
     }
 
     /// Whether any stream is routed to a private pool (one relaxed load).
+    #[inline]
     pub(super) fn any_routed(&self) -> bool {
         self.routed.load(std::sync::atomic::Ordering::Relaxed) != 0
     }
