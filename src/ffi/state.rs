@@ -199,6 +199,16 @@ fn in_call() -> bool {
     with_thread(|t| !t.current.get().is_null())
 }
 
+/// Puts `m` first among the thread's recent streams, in place of its
+/// entry `i` (the entries before it move one down).
+fn put_first(t: &FfiThread, i: usize, m: LastStream) {
+    let r = &t.recent_streams;
+    for j in (1..=i).rev() {
+        r[j].set(r[j - 1].get());
+    }
+    r[0].set(m);
+}
+
 /// Drops a stream removed by [`State::remove_stream`] after a grace period:
 /// a write lock of [`GLOBAL`] and `readers::synchronize`, which wait for
 /// every call in flight (any of which may hold the stream through its
@@ -440,10 +450,7 @@ impl State {
         let r = &t.recent_streams;
         let i = (1..RECENT_STREAMS).find(|&i| self.remembers(&r[i].get(), device, h))?;
         let m = r[i].get();
-        for j in (1..=i).rev() {
-            r[j].set(r[j - 1].get());
-        }
-        r[0].set(m);
+        put_first(t, i, m);
         Some((m.pool, m.stream))
     }
 
@@ -496,17 +503,18 @@ impl State {
         let dev = pool.device();
         let remember = |stream: &Stream, epoch: u64| {
             // The least recent memory goes.
-            for i in (1..RECENT_STREAMS).rev() {
-                t.recent_streams[i].set(t.recent_streams[i - 1].get());
-            }
-            t.recent_streams[0].set(LastStream {
-                generation: self.generation,
-                device,
-                handle: h,
-                epoch,
-                pool,
-                stream,
-            })
+            put_first(
+                t,
+                RECENT_STREAMS - 1,
+                LastStream {
+                    generation: self.generation,
+                    device,
+                    handle: h,
+                    epoch,
+                    pool,
+                    stream,
+                },
+            )
         };
         if StreamHandle(h).canonical() == StreamHandle(0) {
             let epoch = self.stream_epochs[dev].load(Ordering::Acquire);

@@ -225,8 +225,8 @@ impl PoolShared {
                     Piece::Allocated => {
                         let slab = self
                             .slab_at(addr)
-                            .map(Slab::id)
-                            .filter(|&id| self.slabs.slab_info(id).0 == addr);
+                            .filter(|h| h.base_holding(addr) == Some(addr))
+                            .map(Slab::id);
                         if let Some(id) = slab {
                             self.push_large_segment(&mut segments, std::mem::take(&mut blocks));
                             segments.push(self.slab_segment(id, &census));

@@ -277,7 +277,7 @@ pub(crate) fn take(stream: &Stream, class: usize) -> Option<(u32, u64)> {
     STATE
         .try_with(|t| {
             let mut m = t.mags.try_borrow_mut().ok()?;
-            let mag = m.iter_mut().flatten().find(|g| g.is_of(stream))?;
+            let mag = find(&mut m, stream)?;
             // The caller counts the slot out of the magazine with its
             // allocation (`Counters::on_alloc_from`).
             mag.racks[class].pop().map(|(idx, addr, _)| (idx, addr))

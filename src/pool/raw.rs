@@ -19,9 +19,8 @@ impl PoolShared {
 
     /// The slab id holding `addr`, if it lies in a slab.
     pub(super) fn slab_holding(&self, addr: u64) -> Option<u32> {
-        let id = self.slab_at(addr)?.id();
-        let (base, class, _) = self.slabs.slab_info(id);
-        (base != 0 && addr >= base && addr < base + self.slabs.slab_bytes(class)).then_some(id)
+        let h = self.slab_at(addr)?;
+        h.base_holding(addr).map(|_| h.id())
     }
 
     /// Frees a small slot whose raw allocation was just found live (and

@@ -89,6 +89,29 @@ impl Slab {
     pub(crate) fn id(&self) -> u32 {
         self.id
     }
+
+    /// The slab's base if it is in use and holds `addr` (a slab is a
+    /// power of two of bytes, aligned to itself).
+    #[inline(always)]
+    pub(crate) fn base_holding(&self, addr: u64) -> Option<u64> {
+        let base = self.base.load(Acquire);
+        let bytes = self.bytes.load(Relaxed);
+        (base != 0 && addr & !bytes.wrapping_sub(1) == base).then_some(base)
+    }
+}
+
+/// The slot of size `size` starting at byte `off` of a slab, or `None` if
+/// no slot starts there; `recip` is `ceil(2^64 / size)`.
+///
+/// With `r = ceil(2^64 / size) = 2^64 / size + e` (`0 <= e < 1`), an
+/// offset `off = q * size` gives `off * r = q * 2^64 + off * e`, and
+/// `off * e < off < 2^64`: the 128-bit product's high half is exactly
+/// `q`. Any other offset fails the multiply-back check. One `mul`
+/// instead of a `div` (tens of cycles) on every raw free.
+#[inline(always)]
+fn slot_of(off: u64, recip: u64, size: u64) -> Option<u64> {
+    let s = ((u128::from(off) * u128::from(recip)) >> 64) as u64;
+    (s.wrapping_mul(size) == off).then_some(s)
 }
 
 /// Per-class stacks.
@@ -235,17 +258,10 @@ impl Slabs {
     }
 
     /// The slot of `class` starting at byte `off` of a slab (`off` below
-    /// the slab's bytes), or `None` if no slot starts there.
-    ///
-    /// With `r = ceil(2^64 / size) = 2^64 / size + e` (`0 <= e < 1`), an
-    /// offset `off = q * size` gives `off * r = q * 2^64 + off * e`, and
-    /// `off * e < off < 2^64`: the 128-bit product's high half is exactly
-    /// `q`. Any other offset fails the multiply-back check. One `mul`
-    /// instead of a `div` (tens of cycles) on every raw free.
+    /// the slab's bytes), or `None` if no slot starts there ([`slot_of`]).
     #[inline(always)]
     fn slot_of_offset(&self, class: usize, off: u64) -> Option<u64> {
-        let s = ((u128::from(off) * u128::from(self.recips[class])) >> 64) as u64;
-        (s.wrapping_mul(self.classes.size_of(class)) == off).then_some(s)
+        slot_of(off, self.recips[class], self.classes.size_of(class))
     }
 
     /// Bytes of a slab of `class`.
@@ -537,18 +553,14 @@ impl Slabs {
         h: &Slab,
         addr: u64,
     ) -> Result<(SlotRef, u64, SizeWord), RawMiss> {
-        let base = h.base.load(Acquire);
-        // A slab is aligned to its (power of two) size.
-        let bytes = h.bytes.load(Relaxed);
-        if base == 0 || addr & !(bytes.wrapping_sub(1)) != base {
+        let Some(base) = h.base_holding(addr) else {
             return Err(RawMiss::Outside);
-        }
-        let off = addr - base;
-        let size = h.size.load(Relaxed);
-        // As in `slot_of_offset`, with the header's copies of the class's
-        // figures.
-        let s = ((u128::from(off) * u128::from(h.recip.load(Relaxed))) >> 64) as u64;
-        if s.wrapping_mul(size) != off || s >= u64::from(h.nslots.load(Relaxed)) {
+        };
+        // The header's copies of the class's figures.
+        let Some(s) = slot_of(addr - base, h.recip.load(Relaxed), h.size.load(Relaxed)) else {
+            return Err(RawMiss::Interior);
+        };
+        if s >= u64::from(h.nslots.load(Relaxed)) {
             return Err(RawMiss::Interior);
         }
         let s = s as usize;
