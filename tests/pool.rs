@@ -2098,3 +2098,50 @@ fn a_busy_streams_freed_small_slots_stay_its_own() {
     drop(b);
     dev.audit().unwrap();
 }
+
+/// Driver calls run outside the device's heap lock (`heap/map_job.rs`):
+/// while one thread waits in a slow `cuMemMap` (the simulator's map
+/// delay, 2 s), another stream takes the heap lock for memory it already
+/// backs (its own freed range: large-path reuse, no driver call) and
+/// returns before that map does.
+#[test]
+fn a_slow_map_does_not_stall_another_streams_reuse() {
+    use gpupool::backend::Call;
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let rt = sim_runtime(1, 1 << 30);
+    let pool = rt.device(0).unwrap();
+    let sim = sim_of(pool);
+    let (x, y) = (pool.new_stream().unwrap(), pool.new_stream().unwrap());
+    // Backed memory of y's own: 4 MiB freed on y, which stays busy (its
+    // memory is y's alone, neither clean for x nor stealable by it).
+    let p = pool.alloc_raw(4 * MIB as usize, &y).unwrap();
+    pool.free_raw(p, &y).unwrap();
+    sim.stall_stream(0, y.handle(), Duration::from_secs(4))
+        .unwrap();
+    let maps = || sim.counters().get(Call::Map);
+    let before = maps();
+    sim.set_map_delay(0, Duration::from_secs(2)).unwrap();
+    let mapped = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // Fresh granules: a map of 2 s.
+            let q = pool.alloc_raw(64 * MIB as usize, &x).unwrap();
+            mapped.store(true, SeqCst);
+            pool.free_raw(q, &x).unwrap();
+        });
+        while maps() == before {
+            std::thread::yield_now();
+        }
+        // x is inside its map call now.
+        let in_map = maps();
+        let r = pool.alloc_raw(3 * MIB as usize, &y).unwrap();
+        assert!(
+            !mapped.load(SeqCst),
+            "y's reuse waited for x's map (a driver call under the heap lock)"
+        );
+        assert_eq!(maps(), in_map, "y's reuse mapped memory");
+        pool.free_raw(r, &y).unwrap();
+    });
+    sim.set_map_delay(0, Duration::ZERO).unwrap();
+    pool.audit().unwrap();
+}

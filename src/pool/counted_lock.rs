@@ -93,6 +93,16 @@ impl<T> CountedMutex<T> {
         self.inner.lock()
     }
 
+    /// Runs `f` with the lock that `guard` holds released, then takes it
+    /// again (counted): for driver calls that need no heap state
+    /// (`heap/map_job.rs`). `guard` must come from this mutex.
+    pub(crate) fn unlocked<R>(&self, guard: &mut MutexGuard<'_, T>, f: impl FnOnce() -> R) -> R {
+        debug_assert!(std::ptr::eq(MutexGuard::mutex(guard), &self.inner));
+        let r = MutexGuard::unlocked(guard, f);
+        self.taken.fetch_add(1, Relaxed);
+        r
+    }
+
     /// Takes the lock without counting it: for observation (stats,
     /// audits, snapshots, pointer lookups), so that reading the figure does
     /// not change it.

@@ -138,7 +138,15 @@ impl PoolShared {
         // Movable regions are heap allocations; their free extents are
         // cached bytes and their held bytes are pending (see src/compact/).
         let (mv_regions, mv_live, _, mv_free) = self.movable.audit()?;
-        let h = self.heap.lock_quiet();
+        // Mappings under way (`heap/map_job.rs`) publish in microseconds.
+        let h = loop {
+            let h = self.heap.lock_quiet();
+            if h.heap.in_flight() == 0 {
+                break h;
+            }
+            drop(h);
+            std::thread::yield_now();
+        };
         h.heap.check()?;
         let f = h.heap.figures();
         let c = self.census(|id| h.group_events.contains_key(&id));

@@ -8,6 +8,7 @@ use super::pending::{Pending, Waits};
 use super::size_class::ALIGN;
 use super::{HeapState, LargeLive, PoolShared, Stream};
 use crate::error::Result;
+use parking_lot::MutexGuard;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
 /// Which pending memory a heap allocation may take (by handover, or by
@@ -197,7 +198,7 @@ impl PoolShared {
     /// groups on the device). Out of memory is `None`.
     fn take_pending(
         &self,
-        h: &mut HeapState,
+        h: &mut MutexGuard<'_, HeapState>,
         len: u64,
         stream: &Stream,
     ) -> Result<Option<heap::Taken>> {
@@ -236,7 +237,7 @@ impl PoolShared {
     /// `None` (the caller tries harder) and other errors passed on.
     fn heap_alloc_or_oom(
         &self,
-        h: &mut HeapState,
+        h: &mut MutexGuard<'_, HeapState>,
         len: u64,
         stream: &Stream,
         pending: PendingUse,
@@ -264,10 +265,12 @@ impl PoolShared {
 
     /// One heap allocation for `stream`, with its side effects handled:
     /// the stream waits on any pending groups it takes memory from, and
-    /// granules aliased by stitching get an event on the stream.
+    /// granules aliased by stitching get an event on the stream. The
+    /// driver maps new memory with the heap lock released (`h` is
+    /// unlocked meanwhile, see `heap/map_job.rs`).
     pub(super) fn heap_alloc(
         &self,
-        h: &mut HeapState,
+        h: &mut MutexGuard<'_, HeapState>,
         len: u64,
         align: u64,
         stream: &Stream,
@@ -283,7 +286,7 @@ impl PoolShared {
             let (order, now) = (&stream.core().order, super::event_order::now_ns());
             let HeapState {
                 heap, group_events, ..
-            } = &mut *h;
+            } = &mut **h;
             heap.set_blocked(
                 group_events
                     .iter()
@@ -294,7 +297,14 @@ impl PoolShared {
                     .map(|(&id, _)| id),
             );
         }
-        let r = h.heap.alloc(len, align, stream.slot(), pending_ok);
+        let r = match h.heap.alloc_planned(len, align, stream.slot(), pending_ok) {
+            Ok((t, Some(job))) => {
+                let done = self.heap.unlocked(h, || job.run());
+                h.heap.finish_alloc(t, job, done)
+            }
+            Ok((t, None)) => Ok(t),
+            Err(e) => Err(e),
+        };
         if h.heap.device_allocs != device_allocs {
             self.counters.grown.fetch_add(1, Relaxed);
             // Grew while other streams sit on freed memory: have the

@@ -135,6 +135,8 @@ struct Faults {
     capacity_cap: AtomicU64,
     event_delay_ns: AtomicU64,
     op_delay_ns: AtomicU64,
+    /// Extra host time of every `cuMemMap` call (a slow driver).
+    map_delay_ns: AtomicU64,
     /// The next N event record/query calls fail.
     failing_event_ops: AtomicU64,
     /// Event records, queries and stream waits since `fail_event_at` was set.
@@ -214,6 +216,7 @@ impl SimBackend {
                         capacity_cap: AtomicU64::new(u64::MAX),
                         event_delay_ns: AtomicU64::new(0),
                         op_delay_ns: AtomicU64::new(cfg.op_delay.as_nanos() as u64),
+                        map_delay_ns: AtomicU64::new(0),
                         failing_event_ops: AtomicU64::new(0),
                         event_ops: AtomicU64::new(0),
                         fail_event_at: AtomicU64::new(0),
@@ -448,6 +451,14 @@ impl SimBackend {
         Some((at - before - 1, e))
     }
 
+    /// Spends [`SimBackend::set_map_delay`]'s delay, if any.
+    fn map_delay(d: &SimDevice) {
+        let delay = d.faults.map_delay_ns.load(Relaxed);
+        if delay > 0 {
+            std::thread::sleep(Duration::from_nanos(delay));
+        }
+    }
+
     /// Caps the memory of `dev` below its configured capacity (`None` lifts
     /// the cap). Memory already held stays held.
     pub fn set_capacity_limit(&self, dev: usize, cap: Option<u64>) -> Result<()> {
@@ -472,6 +483,17 @@ impl SimBackend {
         self.dev(dev)?
             .faults
             .op_delay_ns
+            .store(d.as_nanos() as u64, Relaxed);
+        Ok(())
+    }
+
+    /// Makes every map call on `dev` take `d` more on the calling thread,
+    /// after it is counted and before the mapping exists (a slow driver;
+    /// `Duration::ZERO` turns it off).
+    pub fn set_map_delay(&self, dev: usize, d: Duration) -> Result<()> {
+        self.dev(dev)?
+            .faults
+            .map_delay_ns
             .store(d.as_nanos() as u64, Relaxed);
         Ok(())
     }
@@ -838,6 +860,7 @@ impl Backend for SimBackend {
         if let Some((_, e)) = Self::map_fault(d, dev, 1) {
             return Err(e);
         }
+        Self::map_delay(d);
         d.mem.write().map(va.0, bytes, chunk.0, off)
     }
 
@@ -852,6 +875,7 @@ impl Backend for SimBackend {
             return Err(e);
         }
         self.call_n(Call::Map, n);
+        Self::map_delay(d);
         d.mem.write().map_run(va.0, gran, chunks)?;
         // One access grant for the run, as the CUDA backend makes.
         self.call_units(Call::SetAccess, 1, n);

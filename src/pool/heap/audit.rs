@@ -84,6 +84,11 @@ impl Heap {
     /// Checks the heap's structural invariants; returns a description of the
     /// first violation.
     pub(crate) fn check(&self) -> std::result::Result<(), String> {
+        if self.in_flight > 0 {
+            // A planned mapping's granules are in no set and its cut rests
+            // in no range until it is published (`map_job.rs`).
+            return Err(format!("{} mappings in flight", self.in_flight));
+        }
         // Free and allocated ranges do not overlap and merge rules hold.
         let mut spans: Vec<(u64, u64, Option<Tag>)> = self
             .by_addr

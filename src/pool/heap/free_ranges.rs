@@ -323,22 +323,6 @@ impl Heap {
         r
     }
 
-    /// Retags the free parts of granule `g` outside `[start, start+len)`.
-    pub(super) fn retag_granule(&mut self, g: u32, start: u64, len: u64, tag: Tag) {
-        let Physical::Vmm { base, .. } = &self.phys else {
-            return;
-        };
-        let (gs, ge) = (
-            *base + g as u64 * self.gran,
-            *base + (g as u64 + 1) * self.gran,
-        );
-        for (lo, hi) in [(gs, start.min(ge)), ((start + len).max(gs), ge)] {
-            if lo < hi {
-                self.retag(lo, hi, tag);
-            }
-        }
-    }
-
     /// Gives the free memory in `[lo, hi)` the tag `tag`.
     pub(super) fn retag(&mut self, lo: u64, hi: u64, tag: Tag) {
         let first = self.by_addr.at_or_before(lo).map_or(lo, |(a, _)| a);

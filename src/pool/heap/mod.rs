@@ -25,8 +25,9 @@
 //! the concepts it builds on have a file each: `free_ranges` (the free-range
 //! index and the placement policy), `physical` (which chunk backs each
 //! granule), `stitch` (backing a range from idle memory elsewhere, and the
-//! quarantine of stolen chunks' old mappings) and `audit` (figures,
-//! snapshots and the consistency check).
+//! quarantine of stolen chunks' old mappings), `map_job` (the mapping a
+//! backed range needs, made with the heap lock released) and `audit`
+//! (figures, snapshots and the consistency check).
 
 use super::addr_index::{AddrIndex, Span};
 use super::granule_set::GranuleSet;
@@ -42,6 +43,7 @@ use std::sync::Arc;
 mod audit;
 mod free_ranges;
 mod ipc;
+mod map_job;
 mod pause;
 mod physical;
 mod stitch;
@@ -50,6 +52,7 @@ mod stitch_share;
 mod tests;
 
 pub(crate) use audit::Piece;
+pub(crate) use map_job::{MapDone, MapJob};
 use physical::{granule_span, shared_granules};
 pub(crate) use stitch::GranuleRuns;
 use stitch::{push_run, StealCtx};
@@ -172,6 +175,8 @@ pub(crate) struct Heap {
     /// Pending groups whose memory was aliased since the last
     /// `take_steal_waits`: the requesting stream must wait on them.
     fresh_waits: Vec<u32>,
+    /// Mappings planned and not yet published (`map_job.rs`).
+    in_flight: u32,
     /// Pending groups that cannot be waited on (an event record failed):
     /// never handed over nor stitched, whatever `pending_ok` says.
     blocked: FxHashSet<u32>,
@@ -257,6 +262,7 @@ impl Heap {
             aliases: FxHashMap::default(),
             deferred: FxHashSet::default(),
             fresh_waits: Vec::new(),
+            in_flight: 0,
             blocked: FxHashSet::default(),
             device_allocs: 0,
             device_frees: 0,
@@ -576,6 +582,27 @@ impl Heap {
         slot: Option<u16>,
         pending_ok: bool,
     ) -> Result<Taken> {
+        let (t, job) = self.alloc_planned(len, align, slot, pending_ok)?;
+        match job {
+            None => Ok(t),
+            Some(job) => {
+                let done = job.run();
+                self.finish_alloc(t, job, done)
+            }
+        }
+    }
+
+    /// [`Heap::alloc`], with the mapping the range needs (if any) left to
+    /// the caller: run it with no lock held ([`MapJob::run`]), then hand
+    /// it to [`Heap::finish_alloc`]. Until then the range is allocated
+    /// but not yet usable.
+    pub(crate) fn alloc_planned(
+        &mut self,
+        len: u64,
+        align: u64,
+        slot: Option<u16>,
+        pending_ok: bool,
+    ) -> Result<(Taken, Option<MapJob>)> {
         debug_assert!(len % ALIGN == 0 && len > 0);
         let mut candidates: Vec<(u64, u64, u64)> =
             self.place(slot, len, align).into_iter().collect();
@@ -601,7 +628,7 @@ impl Heap {
         let ctx = StealCtx { slot, pending_ok };
         let mut last = None;
         for (rlen, raddr, start) in candidates {
-            match self.take(raddr, rlen, start, len, ctx) {
+            match self.take_planned(raddr, rlen, start, len, ctx) {
                 Ok(t) => return Ok(t),
                 Err(e) if e.is_oom() => last = Some(e),
                 Err(e) => return Err(e),
@@ -610,7 +637,8 @@ impl Heap {
         Err(last.expect("at least one candidate was tried"))
     }
 
-    /// Takes `len` bytes at `align` out of free range `(raddr, rlen)`.
+    /// Takes `len` bytes at `align` out of free range `(raddr, rlen)`,
+    /// backing it here, under the lock.
     fn take(
         &mut self,
         raddr: u64,
@@ -619,46 +647,74 @@ impl Heap {
         len: u64,
         ctx: StealCtx,
     ) -> Result<Taken> {
+        let (t, job) = self.take_planned(raddr, rlen, start, len, ctx)?;
+        match job {
+            None => Ok(t),
+            Some(job) => {
+                let done = job.run();
+                self.finish_alloc(t, job, done)
+            }
+        }
+    }
+
+    /// Takes `len` bytes at `align` out of free range `(raddr, rlen)`,
+    /// with the mapping its unbacked granules need, if any, for the
+    /// caller to run and publish (`map_job.rs`).
+    fn take_planned(
+        &mut self,
+        raddr: u64,
+        rlen: u64,
+        start: u64,
+        len: u64,
+        ctx: StealCtx,
+    ) -> Result<(Taken, Option<MapJob>)> {
         debug_assert!(start >= raddr && start + len <= raddr + rlen);
         // Put the unused head and tail back first, so that idle granules in
         // them can be stolen to back the taken part.
         let r = self.split_free(raddr, rlen, start, len);
-        let aliased = match self.back(start, len, ctx) {
-            Ok(a) => a,
+        let job = match self.plan_back(start, len, ctx) {
+            Ok(job) => job,
             Err(e) => {
                 self.insert_free(start, len, r.tag);
                 return Err(e);
             }
         };
-        // A granule backed by an aliased chunk shares physical memory with
-        // old uses that only the requesting stream is ordered after: the free
-        // rest of that granule is for that stream alone.
-        if let (Some(slot), Physical::Vmm { base, .. }) = (ctx.slot, &self.phys) {
-            // Only the first and the last granule can have a free rest;
-            // the aliased granules lie inside the span, so the first one is
-            // aliased if it is the lowest aliased, the last if the highest.
-            let (first, last, _) = granule_span(*base, self.gran, start, len);
-            let head = aliased.map(|a| a.0).filter(|&g| g == first);
-            let tail = aliased
-                .map(|a| a.1)
-                .filter(|&g| g == last && Some(g) != head);
-            for g in [head, tail].into_iter().flatten() {
-                self.retag_granule(g, start, len, Tag::Dirty(slot));
-            }
-        }
         self.allocated.insert(start, len);
         self.allocated_bytes += len;
         let waits = match r.tag {
             Tag::Pending(id) => vec![id],
             _ => Vec::new(),
         };
-        let exclusive = r.tag != Tag::Clean || aliased.is_some();
-        Ok(Taken {
+        // A granule backed by an aliased chunk shares physical memory with
+        // old uses that only the requesting stream is ordered after: the
+        // range (and the free rest of that granule, `publish_back`) is for
+        // that stream alone.
+        let aliased = job.as_ref().is_some_and(|j| j.aliased.is_some());
+        let exclusive = r.tag != Tag::Clean || aliased;
+        let t = Taken {
             addr: start,
             from: r.tag,
             waits,
             exclusive,
-        })
+        };
+        Ok((t, job))
+    }
+
+    /// Publishes the mapping of a range [`Heap::alloc_planned`] took
+    /// (`done`, from [`MapJob::run`]). On a failure the range is free
+    /// again, as it was, and nothing else changed, except that granules
+    /// in [`Heap::take_quarantine`] may have been aliased.
+    pub(crate) fn finish_alloc(&mut self, t: Taken, job: MapJob, done: MapDone) -> Result<Taken> {
+        let len = job.len;
+        match self.publish_back(job, done) {
+            Ok(_) => Ok(t),
+            Err(e) => {
+                self.allocated.remove(&t.addr);
+                self.allocated_bytes -= len;
+                self.insert_free(t.addr, len, t.from);
+                Err(e)
+            }
+        }
     }
 
     // ---- freeing and tags -----------------------------------------------------------

@@ -6,8 +6,9 @@
 //! (`users > 0`, or one range covers it whole); an idle granule (mapped, no
 //! users) is unmapped only when it lies wholly inside one `Clean` free
 //! range, so no pending work can touch an unmapped address; every chunk the
-//! heap holds is mapped at exactly one live granule, spare, or deferred
-//! behind a quarantined mapping, and counted once in `reserved`.
+//! heap holds is mapped at exactly one live granule, spare, deferred
+//! behind a quarantined mapping, or in a planned mapping not yet published
+//! (`map_job.rs`), and counted once in `reserved`.
 
 use super::*;
 
@@ -170,66 +171,18 @@ impl Heap {
         }
     }
 
-    /// Maps `chunks` under granules `g0..`, all or nothing.
-    pub(super) fn map_run_at(&mut self, g0: u32, chunks: &[ChunkHandle]) -> Result<()> {
+    /// Records `chunks`, just mapped, under granules `g0..`.
+    pub(super) fn note_mapped(&mut self, g0: u32, chunks: &[ChunkHandle]) {
         let Physical::Vmm {
-            base,
-            granules,
-            mapped,
-            ..
+            granules, mapped, ..
         } = &mut self.phys
         else {
             unreachable!("VMM only")
         };
-        let va = DevicePtr(*base + g0 as u64 * self.gran);
-        self.backend.map_run(self.dev, va, self.gran, chunks)?;
-        // Access is per mapping: peers get it on every new one.
-        if !self.peers.is_empty() {
-            let bytes = chunks.len() as u64 * self.gran;
-            if let Err(e) = self.backend.set_access(self.dev, va, bytes, &self.peers) {
-                let _ = self
-                    .backend
-                    .unmap_run(self.dev, va, self.gran, chunks.len() as u64);
-                return Err(e);
-            }
-        }
         for (k, &c) in chunks.iter().enumerate() {
             granules[g0 as usize + k].chunk = Some(c);
         }
         mapped.insert_range(g0, g0 + chunks.len() as u32);
-        Ok(())
-    }
-
-    /// Unmaps runs of granules that the current stitch mapped and clears
-    /// their chunks (the caller puts those back). Returns the granules
-    /// that could not be unmapped (left mapped, chunks kept).
-    pub(super) fn unmap_fresh_runs(&mut self, runs: &[(u32, u32)]) -> u32 {
-        let mut kept = 0;
-        for &(g0, n) in runs {
-            let Physical::Vmm {
-                base,
-                granules,
-                mapped,
-                ..
-            } = &mut self.phys
-            else {
-                return 0;
-            };
-            let va = DevicePtr(*base + g0 as u64 * self.gran);
-            if self
-                .backend
-                .unmap_run(self.dev, va, self.gran, n as u64)
-                .is_err()
-            {
-                kept += n;
-                continue;
-            }
-            for g in g0..g0 + n {
-                granules[g as usize].chunk = None;
-            }
-            mapped.remove_range(g0, g0 + n);
-        }
-        kept
     }
 
     pub(super) fn take_spare(&mut self) -> Option<ChunkHandle> {

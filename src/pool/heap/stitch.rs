@@ -51,18 +51,39 @@ pub(super) struct Steals {
 }
 
 impl Heap {
-    /// Makes `[start, start+len)` backed: maps a chunk under every granule
-    /// that has none. Chunks come from the spare list, from idle granules
-    /// (stolen), and only then from the device. All device allocations are
-    /// made before anything is stolen, so a shortfall fails cleanly.
+    /// Makes `[start, start+len)` backed, all under the heap lock (see
+    /// [`Heap::plan_back`]; the large and slab paths map outside it).
     /// Returns the lowest and the highest granule backed by an aliased
-    /// chunk (see [`Heap::steal_aliased_run`]), if any.
+    /// chunk, if any.
     pub(super) fn back(
         &mut self,
         start: u64,
         len: u64,
         ctx: StealCtx,
     ) -> Result<Option<(u32, u32)>> {
+        match self.plan_back(start, len, ctx)? {
+            None => Ok(None),
+            Some(job) => {
+                let done = job.run();
+                self.publish_back(job, done)
+            }
+        }
+    }
+
+    /// Plans backing `[start, start+len)` (an allocated range, counted as
+    /// a user of its granules here): chooses a chunk for every granule
+    /// that has none, from the spare list, from idle granules (stolen),
+    /// and only then from the device, and returns the mapping to make
+    /// ([`MapJob::run`], no lock needed) and then publish
+    /// ([`Heap::publish_back`]); `None` if every granule is backed. All
+    /// device allocations are made before anything is stolen, so a
+    /// shortfall fails cleanly. On an error nothing changed.
+    pub(super) fn plan_back(
+        &mut self,
+        start: u64,
+        len: u64,
+        ctx: StealCtx,
+    ) -> Result<Option<MapJob>> {
         if !matches!(self.phys, Physical::Vmm { .. }) {
             return Ok(None);
         }
@@ -75,7 +96,8 @@ impl Heap {
         let Physical::Vmm { base, mapped, .. } = &self.phys else {
             unreachable!("VMM checked above")
         };
-        let (first, last, _) = granule_span(*base, self.gran, start, len);
+        let base = *base;
+        let (first, last, _) = granule_span(base, self.gran, start, len);
         // The unbacked granules as runs `(first, count)`, ascending, read
         // off the mapped set a word at a time. Their granules in order are
         // "the needed granules": position `p` of that order gets chunk
@@ -146,6 +168,7 @@ impl Heap {
             covers: Vec::new(),
         };
         if let Err(e) = self.steal_all(&victims, &mut steals) {
+            // (Chunks created for this request stay spare.)
             self.unsteal_all(steals);
             self.drop_users(start, len);
             return Err(e);
@@ -161,47 +184,6 @@ impl Heap {
         chunks.extend((0..from_spare).map_while(|_| self.take_spare()));
         chunks.extend(steals.stolen.iter().rev().map(|st| st.chunk));
         debug_assert_eq!(chunks.len(), need_len, "counted as stealable above");
-        // Consecutive granules are mapped as one run: one access grant each.
-        let mut i = 0;
-        for (k, &(g0, n)) in runs.iter().enumerate() {
-            let n = n as usize;
-            if let Err(e) = self.map_run_at(g0, &chunks[i..i + n]) {
-                // All or nothing: the runs this call already mapped are
-                // unmapped again (no work ever saw their addresses), so an
-                // aliased chunk never stays under a new address that could
-                // go back to the free ranges while its old uses run. Then
-                // every chunk goes back where it came from: spare ones to
-                // the spare list (in the order they were popped from it),
-                // stolen ones to their granules (an aliased one to its old
-                // mapping, which it never left), and the chunks created for
-                // this call to the device.
-                let kept = self.unmap_fresh_runs(&runs[..k]);
-                if kept > 0 {
-                    // A driver that maps but cannot unmap: the chunks stay
-                    // where they are, mapped (a leak, never an alias).
-                    tracing::error!(
-                        device = self.dev,
-                        granules = kept,
-                        "rolling back a stitch: unmap failed; granules stay mapped"
-                    );
-                    self.drop_users(start, len);
-                    return Err(e);
-                }
-                for &c in chunks[..from_spare].iter().rev() {
-                    self.push_spare(c);
-                }
-                self.unsteal_all(steals);
-                for _ in 0..shortfall {
-                    match self.take_spare() {
-                        Some(c) => self.release_chunk(c),
-                        None => break,
-                    }
-                }
-                self.drop_users(start, len);
-                return Err(e);
-            }
-            i += n;
-        }
         // Stolen chunk `k` backs needed granule `from_spare +
         // stolen.len() - 1 - k` (last stolen first): the lowest aliased
         // granule is that of the last aliased steal, the highest that of
@@ -218,9 +200,44 @@ impl Heap {
             unreachable!("a needed granule lies in a run")
         };
         let is_aliased = |st: &Stolen| st.run.is_some();
-        Ok(stolen.iter().rposition(is_aliased).map(|lo| {
+        let aliased = stolen.iter().rposition(is_aliased).map(|lo| {
             let hi = stolen.iter().position(is_aliased).expect("one is aliased");
             (granule_of(lo), granule_of(hi))
+        });
+        // The free rests of the unbacked first and last granules leave the
+        // free ranges until the job is published: no other request may
+        // place memory in a granule whose mapping is under way.
+        let mut cut = Cover::new();
+        let (gs, ge) = (
+            base + first as u64 * self.gran,
+            base + (last as u64 + 1) * self.gran,
+        );
+        if runs[0].0 == first {
+            self.cut_free(gs, start, &mut cut);
+        }
+        let &(g_end, n_end) = runs.last().expect("some granule is unbacked");
+        if g_end + n_end - 1 == last {
+            self.cut_free(start + len, ge, &mut cut);
+        }
+        self.in_flight += 1;
+        Ok(Some(MapJob {
+            backend: self.backend.clone(),
+            dev: self.dev,
+            base,
+            gran: self.gran,
+            peers: self.peers.clone(),
+            start,
+            len,
+            slot: ctx.slot,
+            runs,
+            chunks,
+            from_spare,
+            shortfall,
+            steals,
+            aliased,
+            cut,
+            quarantine: std::mem::take(&mut self.fresh_quarantine),
+            waits: std::mem::take(&mut self.fresh_waits),
         }))
     }
 

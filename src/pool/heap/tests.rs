@@ -247,3 +247,45 @@ fn find_run_takes_the_fewest_groups_then_the_shortest_run() {
     );
     assert_eq!(heap.find_run(16 * MIB, ALIGN, OWN, all), None);
 }
+
+/// While a planned mapping is out (`map_job.rs`), its granules are no
+/// other request's: the free rest of its last granule is cut out, so a
+/// request that would fit there goes elsewhere; the check refuses to
+/// run. Published, the rest is free (and backed) again; a failed map
+/// leaves the heap as it was.
+#[test]
+fn a_planned_mapping_keeps_its_granules_until_published() {
+    let (sim, mut heap) = sim_and_heap();
+    let (base, _) = heap.reservation().unwrap();
+    let layout = heap.layout();
+    let reserved = heap.reserved();
+    // 3 MiB: granules 0 and 1, the rest of granule 1 free.
+    let (t, job) = heap.alloc_planned(3 * MIB, ALIGN, Some(0), false).unwrap();
+    let job = job.expect("fresh granules need a mapping");
+    assert_eq!(t.addr, base);
+    assert!(heap.check().is_err(), "the check ran with a mapping out");
+    // 1 MiB would fit in granule 1's rest: it lands past granule 1.
+    let other = heap.alloc(MIB, ALIGN, Some(0), false).unwrap();
+    assert!(other.addr >= base + 4 * MIB, "{:#x}", other.addr - base);
+    heap.free(other.addr, Tag::Clean).unwrap();
+    let done = job.run();
+    let t = heap.finish_alloc(t, job, done).unwrap();
+    heap.check().unwrap();
+    assert!(heap.fully_backed(base, 4 * MIB));
+    // Granule 1's rest is backed free memory now.
+    assert!(heap.is_free(base + 3 * MIB));
+    heap.free(t.addr, Tag::Clean).unwrap();
+    heap.check().unwrap();
+    // A map that fails: everything as before.
+    heap.release_cached();
+    heap.check().unwrap();
+    assert_eq!((heap.layout(), heap.reserved()), (layout.clone(), reserved));
+    sim.fail_nth_map(0, 1).unwrap();
+    let (t, job) = heap.alloc_planned(3 * MIB, ALIGN, Some(0), false).unwrap();
+    let job = job.expect("fresh granules need a mapping");
+    let done = job.run();
+    let r = heap.finish_alloc(t, job, done);
+    assert!(matches!(r, Err(Error::InjectedFault(_))), "{r:?}");
+    heap.check().unwrap();
+    assert_eq!((heap.layout(), heap.reserved()), (layout, reserved));
+}
