@@ -297,13 +297,22 @@ impl PoolShared {
                     .map(|(&id, _)| id),
             );
         }
-        let r = match h.heap.alloc_planned(len, align, stream.slot(), pending_ok) {
+        let once = |h: &mut MutexGuard<'_, HeapState>| match h.heap.alloc_planned(
+            len,
+            align,
+            stream.slot(),
+            pending_ok,
+        ) {
             Ok((t, Some(job))) => {
                 let done = self.heap.unlocked(h, || job.run());
                 h.heap.finish_alloc(t, job, done)
             }
-            Ok((t, None)) => Ok(t),
-            Err(e) => Err(e),
+            r => r.map(|(t, _)| t),
+        };
+        // A growth the device refused is planned again, stealing.
+        let r = match once(h) {
+            Err(_) if h.heap.growth_refused() => once(h),
+            r => r,
         };
         if h.heap.device_allocs != device_allocs {
             self.counters.grown.fetch_add(1, Relaxed);

@@ -131,6 +131,9 @@ struct Faults {
     /// Fail the map whose 1-based count equals this (0: off, and maps
     /// are not counted: the hot path pays one load).
     fail_map_at: AtomicU64,
+    /// `cuMemUnmap` calls to go before one fails (0: off): the next
+    /// `fail_unmap_in`-th fails.
+    fail_unmap_in: AtomicU64,
     /// Capacity cap below the configured capacity (`u64::MAX`: none).
     capacity_cap: AtomicU64,
     event_delay_ns: AtomicU64,
@@ -213,6 +216,7 @@ impl SimBackend {
                         fail_physical_at: AtomicU64::new(0),
                         map_calls: AtomicU64::new(0),
                         fail_map_at: AtomicU64::new(0),
+                        fail_unmap_in: AtomicU64::new(0),
                         capacity_cap: AtomicU64::new(u64::MAX),
                         event_delay_ns: AtomicU64::new(0),
                         op_delay_ns: AtomicU64::new(cfg.op_delay.as_nanos() as u64),
@@ -432,6 +436,28 @@ impl SimBackend {
         f.map_calls.store(0, Relaxed);
         f.fail_map_at.store(n, Relaxed);
         Ok(())
+    }
+
+    /// Makes the `n`-th unmap call on `dev` (`cuMemUnmap`, one call per
+    /// run of mappings), counted from now with 1 for the next one, fail
+    /// with [`Error::InjectedFault`] (nothing unmapped). `n = 0` turns the
+    /// fault off.
+    pub fn fail_nth_unmap(&self, dev: usize, n: u64) -> Result<()> {
+        self.dev(dev)?.faults.fail_unmap_in.store(n, Relaxed);
+        Ok(())
+    }
+
+    /// An armed [`SimBackend::fail_nth_unmap`]'s error, if this call is
+    /// the one that fails.
+    fn unmap_fault(d: &SimDevice, dev: usize) -> Result<()> {
+        let f = &d.faults.fail_unmap_in;
+        let armed = f.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
+        match armed {
+            Ok(1) => Err(Error::InjectedFault(format!(
+                "cuMemUnmap on device {dev} failed"
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// Counts `n` maps against an armed [`SimBackend::fail_nth_map`]: the
@@ -886,6 +912,7 @@ impl Backend for SimBackend {
         let d = self.dev(dev)?;
         self.call_n(Call::Unmap, n);
         self.capture_check(dev, "cuMemUnmap", Checked::Release);
+        Self::unmap_fault(d, dev)?;
         // The memory table checks the whole run first (a set of whole
         // mappings) and then removes it, as the per-mapping calls would.
         d.mem.write().unmap(va.0, n * gran)
@@ -894,7 +921,9 @@ impl Backend for SimBackend {
     fn unmap(&self, dev: usize, va: DevicePtr, bytes: u64) -> Result<()> {
         self.call(Call::Unmap);
         self.capture_check(dev, "cuMemUnmap", Checked::Release);
-        self.dev(dev)?.mem.write().unmap(va.0, bytes)
+        let d = self.dev(dev)?;
+        Self::unmap_fault(d, dev)?;
+        d.mem.write().unmap(va.0, bytes)
     }
 
     fn set_access(&self, dev: usize, va: DevicePtr, bytes: u64, peers: &[usize]) -> Result<()> {

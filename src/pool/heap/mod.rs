@@ -199,6 +199,9 @@ pub(crate) struct Heap {
     pub(crate) stitch_budget: f64,
     /// Granules stolen since the heap last grew in place of a steal.
     stolen_since_growth: u64,
+    /// The device refused the chunks a growth planned: the next plan
+    /// steals instead (see `plan_back`).
+    growth_refused: bool,
     /// The share of wall time stealing may take (`stitch_share`).
     pub(crate) stitch_share: StitchShare,
 }
@@ -263,6 +266,7 @@ impl Heap {
             deferred: FxHashSet::default(),
             fresh_waits: Vec::new(),
             in_flight: 0,
+            growth_refused: false,
             blocked: FxHashSet::default(),
             device_allocs: 0,
             device_frees: 0,
@@ -582,13 +586,19 @@ impl Heap {
         slot: Option<u16>,
         pending_ok: bool,
     ) -> Result<Taken> {
-        let (t, job) = self.alloc_planned(len, align, slot, pending_ok)?;
-        match job {
-            None => Ok(t),
-            Some(job) => {
-                let done = job.run();
-                self.finish_alloc(t, job, done)
+        let once = |heap: &mut Heap| {
+            let (t, job) = heap.alloc_planned(len, align, slot, pending_ok)?;
+            match job {
+                None => Ok(t),
+                Some(job) => {
+                    let done = job.run();
+                    heap.finish_alloc(t, job, done)
+                }
             }
+        };
+        match once(self) {
+            Err(_) if self.growth_refused() => once(self),
+            r => r,
         }
     }
 

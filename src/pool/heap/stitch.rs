@@ -43,11 +43,14 @@ pub(super) struct Stolen {
     run: Option<u32>,
 }
 
-/// The chunks one request steals, and the covers of its aliased runs.
+/// The chunks one request steals, the covers of its aliased runs, and its
+/// clean runs (to unmap) with their addresses cut out of the free ranges.
 #[derive(Debug, Default)]
 pub(super) struct Steals {
     stolen: Vec<Stolen>,
     covers: Vec<Cover>,
+    pub(super) clean_runs: Vec<(u32, u32)>,
+    pub(super) clean_cut: Cover,
 }
 
 impl Heap {
@@ -117,47 +120,29 @@ impl Heap {
         debug_assert_eq!(need_len as u64, self.unbacked(start, len));
         let want = need_len.saturating_sub(self.spare_len());
         // Grow in place of this steal once stitching has remapped its
-        // budget (see `stitch_budget`); a growth the limit or the device
-        // refuses steals after all (stitching is what averts the OOM).
-        let grown = self
-            .growth_due(want)
-            .then(|| self.create_chunks(want).ok())
-            .flatten();
-        let (mut victims, created) = match grown {
-            Some(created) => {
-                self.stolen_since_growth = 0;
-                (Vec::new(), created)
+        // budget (see `stitch_budget`); a growth the limit refuses steals
+        // after all (stitching is what averts the OOM), as does the retry
+        // of one the device refused (`growth_refused`).
+        let growth = !std::mem::take(&mut self.growth_refused)
+            && self.growth_due(want)
+            && self.admit_chunks(want).is_ok();
+        let (mut victims, create) = if growth {
+            // (`stolen_since_growth` restarts when the growth is published.)
+            (Vec::new(), want)
+        } else {
+            let victims = self.stealable(ctx, want);
+            let reusable = self.spare_len() + victims.iter().map(|v| v.1 as usize).sum::<usize>();
+            let create = need_len.saturating_sub(reusable);
+            if let Err(e) = self.admit_chunks(create) {
+                self.drop_users(start, len);
+                return Err(e);
             }
-            None => {
-                let victims = self.stealable(ctx, want);
-                let reusable =
-                    self.spare_len() + victims.iter().map(|v| v.1 as usize).sum::<usize>();
-                match self.create_chunks(need_len.saturating_sub(reusable)) {
-                    Ok(created) => (victims, created),
-                    Err(e) => {
-                        self.drop_users(start, len);
-                        return Err(e);
-                    }
-                }
-            }
+            (victims, create)
         };
-        let shortfall = created.len();
-        self.device_allocs += shortfall as u64;
-        self.reserved += shortfall as u64 * self.gran;
-        if !created.is_empty() {
-            tracing::debug!(
-                device = self.dev,
-                chunks = created.len(),
-                reserved = self.reserved,
-                "device memory grown"
-            );
-        }
-        if let Physical::Vmm { spare, .. } = &mut self.phys {
-            spare.extend(created);
-        }
-        // Spare chunks and device allocations now cover all but the victims'
-        // share; steal that share in runs of adjacent granules.
-        let mut keep = need_len.saturating_sub(self.spare_len());
+        // Spare chunks and the chunks to create cover all but the
+        // victims' share; steal that share in runs of adjacent granules.
+        let from_spare = self.spare_len().min(need_len - create);
+        let mut keep = need_len - create - from_spare;
         victims.retain_mut(|v| {
             v.1 = v.1.min(keep as u32);
             keep -= v.1 as usize;
@@ -165,32 +150,31 @@ impl Heap {
         });
         let mut steals = Steals {
             stolen: Vec::with_capacity(victims.iter().map(|v| v.1 as usize).sum()),
-            covers: Vec::new(),
+            ..Steals::default()
         };
-        if let Err(e) = self.steal_all(&victims, &mut steals) {
-            // (Chunks created for this request stay spare.)
-            self.unsteal_all(steals);
-            self.drop_users(start, len);
-            return Err(e);
-        }
+        self.steal_all(&victims, &mut steals);
         self.stolen_since_growth += steals.stolen.len() as u64;
         self.stitch_share.spend(steals.stolen.len());
         // Every needed granule's chunk, in order: the spare chunks first
-        // (as `take_spare` pops them), then the stolen ones, last stolen
-        // first. Stealing took exactly the rest, so one vector serves
-        // every run as a slice.
-        let from_spare = self.spare_len().min(need_len);
+        // (as `take_spare` pops them), then the ones to create (the job
+        // puts them in), then the stolen ones, last stolen first.
+        // Stealing took exactly the rest, so one vector serves every run
+        // as a slice.
         let mut chunks = Vec::with_capacity(need_len);
         chunks.extend((0..from_spare).map_while(|_| self.take_spare()));
         chunks.extend(steals.stolen.iter().rev().map(|st| st.chunk));
-        debug_assert_eq!(chunks.len(), need_len, "counted as stealable above");
-        // Stolen chunk `k` backs needed granule `from_spare +
+        debug_assert_eq!(
+            chunks.len() + create,
+            need_len,
+            "counted as stealable above"
+        );
+        // Stolen chunk `k` backs needed granule `from_spare + create +
         // stolen.len() - 1 - k` (last stolen first): the lowest aliased
         // granule is that of the last aliased steal, the highest that of
         // the first.
         let stolen = &steals.stolen;
         let granule_of = |k: usize| {
-            let mut p = from_spare + stolen.len() - 1 - k;
+            let mut p = from_spare + create + stolen.len() - 1 - k;
             for &(g0, n) in &runs {
                 if p < n as usize {
                     return g0 + p as u32;
@@ -232,7 +216,8 @@ impl Heap {
             runs,
             chunks,
             from_spare,
-            shortfall,
+            create,
+            growth,
             steals,
             aliased,
             cut,
@@ -259,55 +244,96 @@ impl Heap {
                 || !self.stitch_share.affords(want, std::time::Instant::now()))
     }
 
-    /// Creates `n` chunks from the device, all or none, within the limit;
-    /// the caller counts them as reserved.
-    fn create_chunks(&mut self, n: usize) -> Result<Vec<ChunkHandle>> {
-        self.limit
-            .admit(self.dev, self.reserved, n as u64 * self.gran)?;
-        let mut created = Vec::with_capacity(n);
-        for _ in 0..n {
-            match self.backend.create_chunk(self.dev, self.gran) {
-                Ok(c) => created.push(c),
-                Err(e) => {
-                    for c in created {
-                        let _ = self.backend.release_chunk(self.dev, c);
-                    }
-                    return Err(e);
-                }
-            }
+    /// Admits `n` chunks to create within the limit and counts them as
+    /// reserved and as device allocations (the job creates them,
+    /// [`MapJob::run`]; `publish_back` uncounts any it could not).
+    fn admit_chunks(&mut self, n: usize) -> Result<()> {
+        let bytes = n as u64 * self.gran;
+        self.limit.admit(self.dev, self.reserved, bytes)?;
+        self.device_allocs += n as u64;
+        self.reserved += bytes;
+        if n > 0 {
+            tracing::debug!(
+                device = self.dev,
+                chunks = n,
+                reserved = self.reserved,
+                "device memory grown"
+            );
         }
-        Ok(created)
+        Ok(())
     }
 
     /// Steals the chunks of `victims` (runs of idle granules in
     /// ascending order, each with its steal kind, as from
-    /// [`Heap::stealable`]). Stops at the first clean granule that cannot
-    /// be unmapped.
-    pub(super) fn steal_all(
-        &mut self,
-        victims: &[(u32, u32, bool)],
-        out: &mut Steals,
-    ) -> Result<()> {
+    /// [`Heap::stealable`]). A clean run's granules leave the mapped and
+    /// idle sets and its addresses the free ranges (`Steals::clean_cut`)
+    /// until the job that unmaps them is published.
+    pub(super) fn steal_all(&mut self, victims: &[(u32, u32, bool)], out: &mut Steals) {
         for &(g0, n, clean) in victims {
-            if clean {
-                for g in g0..g0 + n {
-                    let Some(chunk) = self.unmap_granule(g) else {
-                        return Err(Error::backend(
-                            "cuMemUnmap",
-                            "could not unmap an idle granule to stitch it",
-                        ));
-                    };
-                    out.stolen.push(Stolen {
-                        g,
-                        chunk,
-                        run: None,
-                    });
-                }
-            } else {
+            if !clean {
                 self.steal_aliased_run(g0, n, out);
+                continue;
             }
+            let Physical::Vmm {
+                base,
+                granules,
+                idle,
+                mapped,
+                ..
+            } = &mut self.phys
+            else {
+                unreachable!("VMM only")
+            };
+            let (rs, re) = (
+                *base + g0 as u64 * self.gran,
+                *base + (g0 + n) as u64 * self.gran,
+            );
+            mapped.remove_range(g0, g0 + n);
+            idle.remove_range(g0, g0 + n);
+            for g in g0..g0 + n {
+                let chunk = granules[g as usize]
+                    .chunk
+                    .take()
+                    .expect("idle granules are mapped");
+                out.stolen.push(Stolen {
+                    g,
+                    chunk,
+                    run: None,
+                });
+            }
+            out.clean_runs.push((g0, n));
+            self.cut_free(rs, re, &mut out.clean_cut);
         }
-        Ok(())
+    }
+
+    /// Puts back the clean steals of `steals.clean_runs[from..]`, which
+    /// the job did not unmap: each chunk under its granule again, mapped
+    /// and idle (its addresses return with the job's cut pieces).
+    pub(super) fn unsteal_clean_from(&mut self, steals: &mut Steals, from: usize) {
+        let Physical::Vmm {
+            granules,
+            idle,
+            mapped,
+            ..
+        } = &mut self.phys
+        else {
+            return;
+        };
+        let keep = |g: u32| {
+            !steals.clean_runs[from..]
+                .iter()
+                .any(|&(g0, n)| g0 <= g && g < g0 + n)
+        };
+        steals.stolen.retain(|st| {
+            if st.run.is_some() || keep(st.g) {
+                return true;
+            }
+            granules[st.g as usize].chunk = Some(st.chunk);
+            mapped.insert(st.g);
+            idle.insert(st.g);
+            false
+        });
+        steals.clean_runs.truncate(from);
     }
 
     /// How an idle granule covered by free ranges of `tags` can be stolen

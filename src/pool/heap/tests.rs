@@ -88,7 +88,11 @@ fn past_its_stitch_budget_the_heap_grows_instead_of_stealing() {
     /// (reserved before and after the last request, granules stolen since
     /// the last growth after it)
     fn run(budget: f64, cap: Option<u64>) -> (u64, u64, u64) {
-        let (_sim, mut heap) = sim_and_heap();
+        run_capped(budget, cap, false)
+    }
+    /// With the cap at the device instead of the heap's limit (`device`).
+    fn run_capped(budget: f64, cap: Option<u64>, device: bool) -> (u64, u64, u64) {
+        let (sim, mut heap) = sim_and_heap();
         heap.stitch_budget = budget;
         let blocks = two_holes(&mut heap);
         assert_eq!(heap.reserved(), 16 * MIB);
@@ -98,8 +102,10 @@ fn past_its_stitch_budget_the_heap_grows_instead_of_stealing() {
         assert_eq!(heap.stolen_since_growth, 4);
         heap.free(blocks[1], Tag::Clean).unwrap();
         heap.free(blocks[3], Tag::Clean).unwrap();
-        if let Some(cap) = cap {
-            heap.limit.set(Some(cap));
+        match cap {
+            Some(cap) if device => sim.set_capacity_limit(0, Some(cap)).unwrap(),
+            Some(cap) => heap.limit.set(Some(cap)),
+            None => {}
         }
         let before = heap.reserved();
         heap.alloc(8 * MIB, ALIGN, Some(0), false).unwrap();
@@ -125,6 +131,12 @@ fn past_its_stitch_budget_the_heap_grows_instead_of_stealing() {
     // Due, but the limit leaves no room: it steals (stitching is what
     // keeps the request from failing).
     assert_eq!(run(0.25, Some(16 * MIB)), (before, after, stolen));
+    // The device refuses the chunks (found only when the job creates
+    // them, outside the lock): planned again, it steals.
+    assert_eq!(
+        run_capped(0.25, Some(16 * MIB), true),
+        (before, after, stolen)
+    );
 }
 
 /// `stitch_share`: a heap whose share of wall time cannot cover a steal
@@ -288,4 +300,33 @@ fn a_planned_mapping_keeps_its_granules_until_published() {
     assert!(matches!(r, Err(Error::InjectedFault(_))), "{r:?}");
     heap.check().unwrap();
     assert_eq!((heap.layout(), heap.reserved()), (layout, reserved));
+}
+
+/// A stolen clean granule is unmapped by the job, outside the lock: if
+/// the driver refuses, the request fails and the granules it did not
+/// unmap keep their mappings; those it did unmap hold spare chunks. The
+/// heap stays consistent and holds what it held, and a retry stitches.
+#[test]
+fn a_steal_whose_unmap_fails_leaves_the_heap_whole() {
+    for nth in [1, 2] {
+        let (sim, mut heap) = sim_and_heap();
+        let _blocks = two_holes(&mut heap);
+        let (layout, reserved) = (heap.layout(), heap.reserved());
+        // Two clean runs to steal (the holes); unmap call `nth` fails.
+        sim.fail_nth_unmap(0, nth).unwrap();
+        let r = heap.alloc(8 * MIB, ALIGN, Some(0), false);
+        assert!(matches!(r, Err(Error::InjectedFault(_))), "{r:?}");
+        heap.check().unwrap();
+        assert_eq!(heap.reserved(), reserved);
+        if nth == 1 {
+            assert_eq!(heap.layout(), layout, "nothing was unmapped");
+        } else {
+            // The first hole was unmapped: its chunks are spare.
+            assert_eq!(heap.figures().spare, 4 * MIB);
+        }
+        sim.fail_nth_unmap(0, 0).unwrap();
+        heap.alloc(8 * MIB, ALIGN, Some(0), false).unwrap();
+        heap.check().unwrap();
+        assert_eq!(heap.reserved(), reserved, "stitched, not grown");
+    }
 }
