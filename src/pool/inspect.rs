@@ -138,10 +138,13 @@ impl PoolShared {
         // Movable regions are heap allocations; their free extents are
         // cached bytes and their held bytes are pending (see src/compact/).
         let (mv_regions, mv_live, _, mv_free) = self.movable.audit()?;
-        // Mappings under way (`heap/map_job.rs`) publish in microseconds.
+        // Mappings under way (`heap/map_job.rs`) publish within driver
+        // calls' time; one still out after a second (a job abandoned by a
+        // panic) fails the check below.
+        let since = std::time::Instant::now();
         let h = loop {
             let h = self.heap.lock_quiet();
-            if h.heap.in_flight() == 0 {
+            if h.heap.in_flight() == 0 || since.elapsed().as_secs() >= 1 {
                 break h;
             }
             drop(h);

@@ -278,36 +278,20 @@ impl PoolShared {
     ) -> Result<heap::Taken> {
         let device_allocs = h.heap.device_allocs;
         let pending_ok = pending != PendingUse::None && self.handover_ok();
-        if pending_ok {
-            // A group with a stream whose event could not be recorded
-            // cannot be waited on (only `trim` releases it): the heap must
-            // neither hand it over nor stitch its granules. Before growth,
-            // neither may a group behind a stream that is not draining.
-            let (order, now) = (&stream.core().order, super::event_order::now_ns());
-            let HeapState {
-                heap, group_events, ..
-            } = &mut **h;
-            heap.set_blocked(
-                group_events
-                    .iter()
-                    .filter(|(_, w)| match pending {
-                        PendingUse::Draining => !w.drains_soon(order, now),
-                        _ => !w.unrecorded.is_empty(),
-                    })
-                    .map(|(&id, _)| id),
-            );
-        }
-        let once = |h: &mut MutexGuard<'_, HeapState>| match h.heap.alloc_planned(
-            len,
-            align,
-            stream.slot(),
-            pending_ok,
-        ) {
-            Ok((t, Some(job))) => {
-                let done = self.heap.unlocked(h, || job.run());
-                h.heap.finish_alloc(t, job, done)
+        // One plan, its driver calls with the lock released, and its
+        // publication; the blocked groups are set under the lock of the
+        // plan that reads them (another request sets its own meanwhile).
+        let once = |h: &mut MutexGuard<'_, HeapState>| {
+            if pending_ok {
+                self.set_blocked(h, pending, stream);
             }
-            r => r.map(|(t, _)| t),
+            match h.heap.alloc_planned(len, align, stream.slot(), pending_ok) {
+                Ok((t, Some(job))) => {
+                    let done = self.heap.unlocked(h, || job.run());
+                    h.heap.finish_alloc(t, job, done)
+                }
+                r => r.map(|(t, _)| t),
+            }
         };
         // A growth the device refused is planned again, stealing.
         let r = match once(h) {
@@ -327,6 +311,28 @@ impl PoolShared {
                 .fetch_max(h.heap.reserved(), Relaxed);
         }
         self.finish_taken(h, r, stream)
+    }
+
+    /// Sets the pending groups a heap allocation for `stream` may not
+    /// take. A group with a stream whose event could not be recorded
+    /// cannot be waited on (only `trim` releases it): the heap must
+    /// neither hand it over nor stitch its granules. Before growth
+    /// (`Draining`), neither may a group behind a stream that is not
+    /// draining.
+    fn set_blocked(&self, h: &mut HeapState, pending: PendingUse, stream: &Stream) {
+        let (order, now) = (&stream.core().order, super::event_order::now_ns());
+        let HeapState {
+            heap, group_events, ..
+        } = h;
+        heap.set_blocked(
+            group_events
+                .iter()
+                .filter(|(_, w)| match pending {
+                    PendingUse::Draining => !w.drains_soon(order, now),
+                    _ => !w.unrecorded.is_empty(),
+                })
+                .map(|(&id, _)| id),
+        );
     }
 
     /// Memory the heap already backs, from a pending range handed over:
