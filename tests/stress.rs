@@ -106,6 +106,9 @@ struct Setup {
     cross_percent: u64,
     /// Percent of blocks allocated raw.
     raw_percent: u64,
+    /// Extra host time of every map call (`SimBackend::set_map_delay`):
+    /// a slow driver keeps each mapping out of the heap lock longer.
+    map_delay: Duration,
 }
 
 /// The loop of one thread: allocate, write, maybe use on another stream,
@@ -237,6 +240,9 @@ fn stress(setup: Setup) {
         .build()
         .unwrap();
     let sim = sim_of(&rt);
+    for d in 0..setup.devices {
+        sim.set_map_delay(d, setup.map_delay).unwrap();
+    }
     let per_dev = setup.threads_per_device * setup.streams_per_thread;
     let streams: Vec<Vec<Stream>> = rt
         .devices()
@@ -333,6 +339,7 @@ fn four_threads_two_streams_each_one_device() {
         in_flight: 12,
         cross_percent: 30,
         raw_percent: 25,
+        map_delay: Duration::ZERO,
     });
 }
 
@@ -348,6 +355,7 @@ fn two_devices_two_threads_each() {
         in_flight: 12,
         cross_percent: 30,
         raw_percent: 25,
+        map_delay: Duration::ZERO,
     });
 }
 
@@ -365,6 +373,26 @@ fn small_device_under_pressure() {
         in_flight: 8,
         cross_percent: 30,
         raw_percent: 25,
+        map_delay: Duration::ZERO,
+    });
+}
+
+/// The same with a slow driver (200 µs per map): many requests plan,
+/// map outside the heap lock and publish at once, stealing each other's
+/// idle granules (`pool/heap/map_job.rs`); every byte stays intact.
+#[test]
+fn small_device_under_pressure_with_slow_maps() {
+    stress(Setup {
+        devices: 1,
+        threads_per_device: 4,
+        streams_per_thread: 2,
+        capacity: 48 * MIB,
+        run_for: Duration::from_millis(2500),
+        max_iterations: 20_000,
+        in_flight: 8,
+        cross_percent: 30,
+        raw_percent: 25,
+        map_delay: Duration::from_micros(200),
     });
 }
 
