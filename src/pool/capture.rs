@@ -41,7 +41,8 @@
 //! call those rules forbid is made between two checks of `underway` under a
 //! handshake (`inflight`, below) that [`PoolShared::begin`] waits out, so no
 //! such call runs once `begin_allocate_to_pool` has returned. Heap unmaps
-//! check `capture_hold` under the heap lock. For a capture begun without
+//! check `capture_hold` under the heap lock; a mapping job that unmaps
+//! after releasing it is in the handshake from its plan on. For a capture begun without
 //! telling the pool, the rules apply from its detection on: the work of
 //! other threads between the capture's start and that detection is not
 //! covered (a maintenance tick may query an event), nor is a free on the
@@ -138,7 +139,7 @@ impl Captures {
 }
 
 /// Leaves the handshake on drop (also on unwind).
-struct InFlight<'a>(&'a AtomicUsize);
+pub(super) struct InFlight<'a>(&'a AtomicUsize);
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
@@ -147,6 +148,17 @@ impl Drop for InFlight<'_> {
 }
 
 impl PoolShared {
+    /// Enters the handshake for a heap mapping job, which may unmap
+    /// (stolen clean granules, or its own runs after a failed map) with
+    /// the heap lock released: taken under the heap lock that planned the
+    /// job (the plan stole nothing if `capture_hold` was set), so a
+    /// [`PoolShared::begin`] that sets the hold after that plan waits for
+    /// the job's driver calls.
+    pub(super) fn mapping_job(&self) -> InFlight<'_> {
+        self.capture.inflight.fetch_add(1, SeqCst);
+        InFlight(&self.capture.inflight)
+    }
+
     /// Runs `f`, a driver call that a capture forbids, unless a capture is
     /// underway (`None` then). [`PoolShared::begin`] raises `underway` and
     /// then waits for `inflight` to drain: either it sees this call in

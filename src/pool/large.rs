@@ -287,7 +287,9 @@ impl PoolShared {
             }
             match h.heap.alloc_planned(len, align, stream.slot(), pending_ok) {
                 Ok((t, Some(job))) => {
+                    let capture = self.mapping_job();
                     let done = self.heap.unlocked(h, || job.run());
+                    drop(capture);
                     h.heap.finish_alloc(t, job, done)
                 }
                 r => r.map(|(t, _)| t),

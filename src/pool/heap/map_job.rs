@@ -28,6 +28,11 @@
 //! thread touches their mappings. The consistency check ([`Heap::check`])
 //! needs every job published.
 //!
+//! A job may unmap (stolen clean granules; its own runs after a failed
+//! map), which a CUDA graph capture forbids: the pool enters the capture
+//! handshake before it releases the lock (`PoolShared::mapping_job`), so
+//! a capture begun after the plan waits for the job's calls.
+//!
 //! A growth the device refuses (its chunks could not be created) is
 //! planned again with stealing ([`Heap::take_growth_refused`]), as a
 //! refused growth always fell back on stitching.
