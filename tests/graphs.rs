@@ -461,3 +461,40 @@ fn own_stream_frees_during_a_capture_need_no_driver_call() {
     pool.end_allocate_to_pool(2).unwrap();
     assert_eq!(be.capture_violations(0), 0);
 }
+
+/// A mapping job makes its driver calls with the heap lock released, and
+/// may unmap (stolen clean granules, its own runs after a failed map),
+/// which a capture forbids: a capture begun while a job is out waits for
+/// it. Here another thread's map takes 1 s (`set_map_delay`);
+/// `begin_allocate_to_pool`, called once that map has started, returns
+/// only after it.
+#[test]
+fn a_capture_begun_during_a_mapping_waits_for_it() {
+    watchdog("mapping_job_handshake", WATCHDOG, || {
+        let be = sim();
+        let pool = pool(&be);
+        let (x, cap) = (pool.new_stream().unwrap(), pool.new_stream().unwrap());
+        let maps = || be.counters().get(Call::Map);
+        let before = maps();
+        be.set_map_delay(0, Duration::from_secs(1)).unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let p = pool.alloc_raw(64 << 20, &x).unwrap();
+                pool.free_raw(p, &x).unwrap();
+            });
+            while maps() == before {
+                std::thread::yield_now();
+            }
+            let t = Instant::now();
+            pool.begin_allocate_to_pool(1, &cap).unwrap();
+            let waited = t.elapsed();
+            assert!(
+                waited >= Duration::from_millis(500),
+                "the capture began {waited:?} into a 1 s map"
+            );
+            pool.end_allocate_to_pool(1).unwrap();
+        });
+        be.set_map_delay(0, Duration::ZERO).unwrap();
+        assert_eq!(be.capture_violations(0), 0);
+    });
+}
