@@ -34,7 +34,7 @@
 //! a capture begun after the plan waits for the job's calls.
 //!
 //! A growth the device refuses (its chunks could not be created) is
-//! planned again with stealing ([`Heap::take_growth_refused`]), as a
+//! planned again with stealing ([`Heap::growth_refused`]), as a
 //! refused growth always fell back on stitching.
 
 use super::stitch::Steals;
