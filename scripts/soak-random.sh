@@ -19,7 +19,8 @@ cargo build --release --bin gpupool || exit 1
 mkdir -p "$out"
 RANDOM="${RANDOM_SEED:-$$}"
 confs=("" "stitch_share=0.01" "stitch_budget=0.25" "thread_cache=false"
-    "handover=false" "probe_interval_us=50" "idle_ms=5" "small_max=32KiB")
+    "handover=false" "probe_interval_us=50" "idle_ms=5" "small_max=32KiB"
+    "driver_time=spent")
 end=$((SECONDS + secs))
 runs=0 bad=0 kernels=0
 while [ "$SECONDS" -lt "$end" ]; do

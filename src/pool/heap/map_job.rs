@@ -26,7 +26,8 @@
 //! memory over them, steals or unmaps them; its chunks are in no list of
 //! the heap (each is counted in `reserved` all the same). Only the job's
 //! thread touches their mappings. The consistency check ([`Heap::check`])
-//! needs every job published.
+//! needs every job published. A pending group that completes while a job
+//! holds pieces of it out gets them back clean (`Heap::live_tag`).
 //!
 //! A job may unmap (stolen clean granules; its own runs after a failed
 //! map), which a CUDA graph capture forbids: the pool enters the capture
@@ -198,9 +199,17 @@ impl Heap {
     /// range). Returns the job's aliased granules, as `back` does.
     pub(super) fn publish_back(
         &mut self,
-        mut job: MapJob,
+        job: MapJob,
         done: MapDone,
     ) -> Result<Option<(u32, u32)>> {
+        let r = self.publish(job, done);
+        if self.in_flight == 0 {
+            self.completed_during_jobs.clear();
+        }
+        r
+    }
+
+    fn publish(&mut self, mut job: MapJob, done: MapDone) -> Result<Option<(u32, u32)>> {
         self.in_flight -= 1;
         // The job's quarantine and waits come before any noted since.
         let later = std::mem::replace(
@@ -223,7 +232,7 @@ impl Heap {
                     self.stolen_since_growth = 0;
                 }
                 for &(a, l, tag) in &job.steals.clean_cut {
-                    self.insert_free(a, l, tag);
+                    self.insert_free(a, l, self.live_tag(tag));
                 }
                 // (A cut rest lies in the range's first or last granule.)
                 for &(a, l, tag) in &job.cut {
@@ -231,7 +240,7 @@ impl Heap {
                     let aliased = job.aliased.is_some_and(|(lo, hi)| g == lo || g == hi);
                     let tag = match job.slot {
                         Some(s) if aliased => Tag::Dirty(s),
-                        _ => tag,
+                        _ => self.live_tag(tag),
                     };
                     self.insert_free(a, l, tag);
                 }
@@ -252,7 +261,7 @@ impl Heap {
         // Clean victims the job did not unmap keep their mappings.
         self.unsteal_clean_from(&mut job.steals, f.unmapped);
         for &(a, l, tag) in job.steals.clean_cut.iter().chain(&job.cut) {
-            self.insert_free(a, l, tag);
+            self.insert_free(a, l, self.live_tag(tag));
         }
         if !f.kept.is_empty() {
             // A driver that maps but cannot unmap: those chunks stay where

@@ -177,6 +177,9 @@ pub(crate) struct Heap {
     fresh_waits: Vec<u32>,
     /// Mappings planned and not yet published (`map_job.rs`).
     in_flight: u32,
+    /// Pending groups completed while a mapping was out (cleared when none
+    /// is): a piece it cut out of one returns clean.
+    completed_during_jobs: Vec<u32>,
     /// Pending groups that cannot be waited on (an event record failed):
     /// never handed over nor stitched, whatever `pending_ok` says.
     blocked: FxHashSet<u32>,
@@ -266,6 +269,7 @@ impl Heap {
             deferred: FxHashSet::default(),
             fresh_waits: Vec::new(),
             in_flight: 0,
+            completed_during_jobs: Vec::new(),
             growth_refused: false,
             blocked: FxHashSet::default(),
             device_allocs: 0,
@@ -874,6 +878,19 @@ impl Heap {
     pub(crate) fn complete_pending(&mut self, id: u32) {
         if let Some(set) = self.by_tag.remove(&Tag::Pending(id)) {
             self.make_clean(&set);
+        }
+        if self.in_flight > 0 {
+            // Pieces of the group a mapping job cut out return clean.
+            self.completed_during_jobs.push(id);
+        }
+    }
+
+    /// `t`, or `Clean` for a pending group that completed while a mapping
+    /// job held pieces of it out of the free ranges (`map_job.rs`).
+    pub(super) fn live_tag(&self, t: Tag) -> Tag {
+        match t {
+            Tag::Pending(id) if self.completed_during_jobs.contains(&id) => Tag::Clean,
+            t => t,
         }
     }
 

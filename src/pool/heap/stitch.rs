@@ -531,7 +531,7 @@ impl Heap {
         for &(a, l, tag) in &covers[run as usize] {
             let (ps, pe) = (a.max(gs), (a + l).min(ge));
             if ps < pe {
-                self.insert_free(ps, pe - ps, tag);
+                self.insert_free(ps, pe - ps, self.live_tag(tag));
             }
         }
     }

@@ -330,3 +330,32 @@ fn a_steal_whose_unmap_fails_leaves_the_heap_whole() {
         assert_eq!(heap.reserved(), reserved, "stitched, not grown");
     }
 }
+
+/// A job that aliased a pending group's idle granules fails after the
+/// group completed (while the job was out): the pieces it cut out come
+/// back clean, not under a group nothing will complete again.
+#[test]
+fn pieces_of_a_group_completed_while_a_job_was_out_return_clean() {
+    let (sim, mut heap) = sim_and_heap();
+    let (base, _) = heap.reservation().unwrap();
+    let x = heap.alloc(8 * MIB, ALIGN, Some(0), false).unwrap();
+    let id = heap.new_pending_group();
+    heap.free(x.addr, Tag::Pending(id)).unwrap();
+    // 8 MiB elsewhere, backed by aliasing the pending group's granules.
+    let (t, job) = heap.alloc_planned(8 * MIB, ALIGN, Some(0), true).unwrap();
+    let job = job.expect("unbacked granules");
+    assert_eq!(t.addr, base + 8 * MIB);
+    assert_eq!(
+        heap.take_steal_waits(),
+        Vec::<u32>::new(),
+        "held by the job"
+    );
+    heap.complete_pending(id);
+    sim.fail_nth_map(0, 1).unwrap();
+    let done = job.run();
+    assert!(heap.finish_alloc(t, job, done).is_err());
+    heap.check().unwrap();
+    let f = heap.figures();
+    assert_eq!((f.free_pending, f.free_clean), (0, 8 * MIB), "{f:?}");
+    assert!(heap.take_quarantine().is_empty());
+}
