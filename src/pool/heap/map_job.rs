@@ -199,10 +199,10 @@ impl Heap {
     /// range). Returns the job's aliased granules, as `back` does.
     pub(super) fn publish_back(
         &mut self,
-        job: MapJob,
+        job: Box<MapJob>,
         done: MapDone,
     ) -> Result<Option<(u32, u32)>> {
-        let r = self.publish(job, done);
+        let r = self.publish(*job, done);
         if self.in_flight == 0 {
             self.completed_during_jobs.clear();
         }

@@ -616,7 +616,7 @@ impl Heap {
         align: u64,
         slot: Option<u16>,
         pending_ok: bool,
-    ) -> Result<(Taken, Option<MapJob>)> {
+    ) -> Result<(Taken, Option<Box<MapJob>>)> {
         debug_assert!(len % ALIGN == 0 && len > 0);
         let mut candidates: Vec<(u64, u64, u64)> =
             self.place(slot, len, align).into_iter().collect();
@@ -681,7 +681,7 @@ impl Heap {
         start: u64,
         len: u64,
         ctx: StealCtx,
-    ) -> Result<(Taken, Option<MapJob>)> {
+    ) -> Result<(Taken, Option<Box<MapJob>>)> {
         debug_assert!(start >= raddr && start + len <= raddr + rlen);
         // Put the unused head and tail back first, so that idle granules in
         // them can be stolen to back the taken part.
@@ -718,7 +718,12 @@ impl Heap {
     /// (`done`, from [`MapJob::run`]). On a failure the range is free
     /// again, as it was, and nothing else changed, except that granules
     /// in [`Heap::take_quarantine`] may have been aliased.
-    pub(crate) fn finish_alloc(&mut self, t: Taken, job: MapJob, done: MapDone) -> Result<Taken> {
+    pub(crate) fn finish_alloc(
+        &mut self,
+        t: Taken,
+        job: Box<MapJob>,
+        done: MapDone,
+    ) -> Result<Taken> {
         let len = job.len;
         match self.publish_back(job, done) {
             Ok(_) => Ok(t),

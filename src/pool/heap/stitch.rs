@@ -86,7 +86,7 @@ impl Heap {
         start: u64,
         len: u64,
         ctx: StealCtx,
-    ) -> Result<Option<MapJob>> {
+    ) -> Result<Option<Box<MapJob>>> {
         if !matches!(self.phys, Physical::Vmm { .. }) {
             return Ok(None);
         }
@@ -204,7 +204,7 @@ impl Heap {
             self.cut_free(start + len, ge, &mut cut);
         }
         self.in_flight += 1;
-        Ok(Some(MapJob {
+        Ok(Some(Box::new(MapJob {
             backend: self.backend.clone(),
             dev: self.dev,
             base,
@@ -223,7 +223,7 @@ impl Heap {
             cut,
             quarantine: std::mem::take(&mut self.fresh_quarantine),
             waits: std::mem::take(&mut self.fresh_waits),
-        }))
+        })))
     }
 
     /// Whether a request short of `want` granules grows the device memory
