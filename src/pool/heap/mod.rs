@@ -592,13 +592,7 @@ impl Heap {
     ) -> Result<Taken> {
         let once = |heap: &mut Heap| {
             let (t, job) = heap.alloc_planned(len, align, slot, pending_ok)?;
-            match job {
-                None => Ok(t),
-                Some(job) => {
-                    let done = job.run();
-                    heap.finish_alloc(t, job, done)
-                }
-            }
+            heap.map_now(t, job)
         };
         match once(self) {
             Err(_) if self.growth_refused() => once(self),
@@ -662,6 +656,11 @@ impl Heap {
         ctx: StealCtx,
     ) -> Result<Taken> {
         let (t, job) = self.take_planned(raddr, rlen, start, len, ctx)?;
+        self.map_now(t, job)
+    }
+
+    /// Runs and publishes the mapping `t` needs, if any, under the lock.
+    fn map_now(&mut self, t: Taken, job: Option<Box<MapJob>>) -> Result<Taken> {
         match job {
             None => Ok(t),
             Some(job) => {
