@@ -654,6 +654,46 @@ fn harvests_leave_records_behind_a_stalled_stream_alone_until_it_moves() {
     dev.audit().unwrap();
 }
 
+/// An allocation's slow path harvests looking at every kept record,
+/// whatever the gate above would skip: it needs memory now.
+#[test]
+fn an_allocations_slow_path_looks_at_every_kept_record() {
+    let rt = sim_runtime(1, 256 * MIB);
+    let dev = rt.device(0).unwrap();
+    let sim = sim_of(dev);
+    let (slow, s2, _) = three_streams(dev);
+    sim.stall_stream(0, slow.handle(), Duration::from_secs(2))
+        .unwrap();
+    for _ in 0..8 {
+        let b = dev.alloc(3 << 20, &s2).unwrap();
+        b.record_stream(&slow);
+    }
+    // The first pass learns what the kept records wait for; the next
+    // ones skip them.
+    assert_eq!(dev.harvest(), 0);
+    let st0 = dev.stats();
+    assert_eq!(dev.harvest(), 0);
+    assert_eq!(
+        dev.stats().num_harvest_walks,
+        st0.num_harvest_walks,
+        "an explicit harvest behind the stall skips the kept records"
+    );
+    // The first small block on `s2`: its class has no slot there yet.
+    let st0 = dev.stats();
+    let b = dev.alloc(4096, &s2).unwrap();
+    let st = dev.stats();
+    assert_eq!(st.num_small_slow_paths, st0.num_small_slow_paths + 1);
+    assert_eq!(
+        st.num_harvest_walks,
+        st0.num_harvest_walks + 1,
+        "the slow path's harvest looked at the kept records"
+    );
+    drop(b);
+    sim.sync_stream(0, slow.handle()).unwrap();
+    assert_eq!(dev.harvest(), 8);
+    dev.audit().unwrap();
+}
+
 /// A stream's flush puts its dirty slots of every class behind one event
 /// (not one per class), and a stream that takes that record by handover
 /// gets every class's slots as its own.
