@@ -28,7 +28,8 @@
 #   4. `gpupool info` (with the loaded driver/NVRTC files in its log) and a
 #      demo run on the real device;
 #   5. GPU micro-benchmarks (`gpupool bench --gpu`): pool alloc/free pairs vs
-#      cuMemAlloc and cuMemAllocAsync, compaction kernel vs cuMemcpyDtoD;
+#      cuMemAlloc and cuMemAllocAsync, compaction kernel vs cuMemcpyDtoD,
+#      backing 1, 8 and 32 granules as one chunk vs a chunk per granule;
 #   6. PyTorch through gpupool's C++ shim (gpupool.torch.install()):
 #      torch_shim_build builds it against the machine's torch (CUDA headers
 #      for torch's CUDA version come from gpu-bundle/cuda-include, fetched by

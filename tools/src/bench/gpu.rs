@@ -10,6 +10,8 @@
 //!   (the NVRTC kernel) vs `cuMemcpyDtoDAsync` of the same bytes, each timed
 //!   over several passes including the final stream synchronize. Issue #5's
 //!   target: the kernel at 50% or more of the copy bandwidth.
+//! * Backing a range by the size of its physical units: one chunk of n
+//!   granules against n chunks of one (`mapping.rs`).
 //!
 //! Needs the `cuda` feature and a device; elsewhere [`run`] returns
 //! [`Error::NoDriver`] (or the feature's absence as an error).
@@ -60,6 +62,8 @@ pub struct GpuBenchReport {
     pub pairs: Vec<GpuPairRow>,
     /// Compaction kernel bandwidth.
     pub moves: MoveBandwidth,
+    /// Driver time to back a range, by the size of its physical units.
+    pub mapping: Vec<super::mapping::MappingRow>,
 }
 
 /// Runs the GPU benchmark on device 0 (`quick`: fewer iterations).
@@ -156,10 +160,12 @@ mod imp {
             });
         }
         let moves = move_bandwidth(&rt, cuda, quick)?;
+        let mapping = super::super::mapping::measure(cuda, 0, samples)?;
         Ok(GpuBenchReport {
             device: dev.info().name.clone(),
             pairs,
             moves,
+            mapping,
         })
     }
 
@@ -235,7 +241,32 @@ impl fmt::Display for GpuBenchReport {
             m.kernel_gb_per_s,
             m.memcpy_dtod_gb_per_s,
             m.kernel_vs_memcpy * 100.0
-        )
+        )?;
+        writeln!(
+            f,
+            "backing a range, host µs (create / map+access / unmap / release = total):"
+        )?;
+        let steps = |s: &super::mapping::Steps| {
+            format!(
+                "{:.1} / {:.1} / {:.1} / {:.1} = {:.1}",
+                s.create,
+                s.map,
+                s.unmap,
+                s.release,
+                s.total()
+            )
+        };
+        for r in &self.mapping {
+            writeln!(
+                f,
+                "{:>4} granules ({:>3} MiB): one chunk {:<40} one chunk per granule {}",
+                r.granules,
+                r.bytes >> 20,
+                steps(&r.one_chunk_us),
+                steps(&r.per_granule_us)
+            )?;
+        }
+        Ok(())
     }
 }
 

@@ -50,6 +50,7 @@
 
 pub mod baselines;
 pub mod gpu;
+pub mod mapping;
 pub mod multi_stream;
 pub mod torch_peer;
 
