@@ -141,7 +141,7 @@ impl PoolShared {
         if self.capture.underway() {
             return 0;
         }
-        self.harvest_with(self.harvest_gate.lock(), true, true, false, false)
+        self.harvest_with(self.harvest_gate.lock(), Pass::Explicit)
     }
 
     /// [`PoolShared::harvest`] asking about every event afresh, with no
@@ -152,7 +152,7 @@ impl PoolShared {
         if self.capture.underway() {
             return 0;
         }
-        self.harvest_with(self.harvest_gate.lock(), true, true, true, false)
+        self.harvest_with(self.harvest_gate.lock(), Pass::Fresh)
     }
 
     /// [`PoolShared::harvest`] for the maintenance step: promises get
@@ -161,7 +161,7 @@ impl PoolShared {
         if self.capture.underway() {
             return 0;
         }
-        self.harvest_with(self.harvest_gate.lock(), false, false, false, false)
+        self.harvest_with(self.harvest_gate.lock(), Pass::Background)
     }
 
     /// [`PoolShared::harvest`] unless another thread is harvesting (then
@@ -173,7 +173,7 @@ impl PoolShared {
             return 0;
         }
         match self.harvest_gate.try_lock() {
-            Some(gate) => self.harvest_with(gate, true, false, false, true),
+            Some(gate) => self.harvest_with(gate, Pass::SlowPath),
             None => 0,
         }
     }
@@ -191,26 +191,17 @@ impl PoolShared {
             return;
         }
         if let Some(gate) = self.harvest_gate.try_lock() {
-            self.harvest_with(gate, true, true, true, false);
+            self.harvest_with(gate, Pass::Fresh);
         }
     }
 
-    /// A harvest: `urgent` (an allocation's slow path, an explicit
-    /// harvest) gives the pending records' promises probes at once, not
-    /// after the probe interval; `settle_urgent` those of the returning
-    /// slots too (not on an allocation's path: a returning slot is its
-    /// stream's, which settles it when its stacks miss). See `probes.rs`.
-    /// `fresh`: no "pending" answer of an earlier pass holds (see
-    /// `event_order.rs`). `walk`: every kept record is looked at, whatever
-    /// the gate says (see [`HarvestGate`]).
+    /// A harvest pass of kind `pass` (see [`Pass`]).
     fn harvest_with(
         &self,
         mut gate: parking_lot::MutexGuard<'_, HarvestGate>,
-        urgent: bool,
-        settle_urgent: bool,
-        fresh: bool,
-        walk: bool,
+        pass: Pass,
     ) -> usize {
+        let (urgent, settle_urgent, fresh, walk) = pass.flags();
         let mut released = self.harvest_quarantine(&mut Progress::new(false, fresh));
         released += self.settle_all_returning(settle_urgent, fresh);
         if self.no_pending() {
@@ -843,6 +834,41 @@ impl KeptRecords {
         let mut r = self.records.lock();
         r.append(&mut more);
         self.len.store(r.len(), Relaxed);
+    }
+}
+
+/// Who runs a harvest pass, and so how it runs:
+/// - `urgent` (an allocation's slow path, an explicit harvest): the
+///   pending records' promises get probes at once, not after the probe
+///   interval; `settle_urgent`: those of the returning slots too (not on
+///   an allocation's path: a returning slot is its stream's, which settles
+///   it when its stacks miss). See `probes.rs`.
+/// - `fresh`: no "pending" answer of an earlier pass holds (see
+///   `event_order.rs`).
+/// - `walk`: every kept record is looked at, whatever the gate says (see
+///   [`HarvestGate`]).
+#[derive(Debug, Clone, Copy)]
+enum Pass {
+    /// [`PoolShared::harvest`]: reclaim, trim, explicit calls.
+    Explicit,
+    /// [`PoolShared::harvest_now`] and the paced passes after
+    /// `record_stream`'d frees.
+    Fresh,
+    /// The maintenance step.
+    Background,
+    /// An allocation's slow path ([`PoolShared::try_harvest`]).
+    SlowPath,
+}
+
+impl Pass {
+    /// `(urgent, settle_urgent, fresh, walk)`, as above.
+    fn flags(self) -> (bool, bool, bool, bool) {
+        match self {
+            Pass::Explicit => (true, true, false, false),
+            Pass::Fresh => (true, true, true, false),
+            Pass::Background => (false, false, false, false),
+            Pass::SlowPath => (true, false, false, true),
+        }
     }
 }
 
