@@ -1487,10 +1487,11 @@ fn an_idle_streams_freed_memory_serves_another_stream_without_an_event() {
     dev.audit().unwrap();
 }
 
-/// At a miss, the requester's own stream is asked beside the others: what
-/// each idle stream parked goes to the heap clean, merged, so a third
-/// stream's request is served from it with no further query, event or
-/// growth.
+/// A miss is served first from the stream's own parked ranges, merged in
+/// the heap, with no query. Past them, every stream holding freed memory
+/// is asked, the requester's own beside the others: what each idle stream
+/// parked or freed goes to the heap clean, so a third stream's request is
+/// served from it with no event, wait or growth.
 #[test]
 fn a_miss_makes_every_idle_streams_parked_ranges_clean_at_once() {
     use gpupool::backend::Call;
@@ -1503,25 +1504,31 @@ fn a_miss_makes_every_idle_streams_parked_ranges_clean_at_once() {
     );
     let a = dev.alloc((16 * MIB) as usize, &s1).unwrap();
     let b = dev.alloc((16 * MIB) as usize, &s2).unwrap();
-    assert_eq!(b.ptr().0, a.ptr().0 + 16 * MIB, "laid side by side");
+    let (a_at, b_at) = (a.ptr().0, b.ptr().0);
+    assert_eq!(b_at, a_at + 16 * MIB, "laid side by side");
     drop((a, b));
     // s2's own parked range is of another class: a miss, answered from
-    // s1's and s2's parked ranges, both idle.
+    // it, split in the heap, with no stream asked.
     let queries = driver_calls(dev, Call::StreamQuery);
     let c = dev.alloc((8 * MIB) as usize, &s2).unwrap();
+    assert_eq!(driver_calls(dev, Call::StreamQuery), queries, "asked");
+    assert!(
+        c.ptr().0 >= b_at && c.ptr().0 + 8 * MIB <= b_at + 16 * MIB,
+        "not from s2's own range"
+    );
+    let reserved = dev.stats().reserved_bytes.current;
+    let (records, waits) = (
+        driver_calls(dev, Call::EventRecord),
+        driver_calls(dev, Call::StreamWaitEvent),
+    );
+    // s1's parked range and the rest of s2's, both idle: both asked, and
+    // s1's serves s3 clean.
+    let d = dev.alloc((16 * MIB) as usize, &s3).unwrap();
     assert!(
         driver_calls(dev, Call::StreamQuery) >= queries + 2,
         "not both asked"
     );
-    let reserved = dev.stats().reserved_bytes.current;
-    let (queries, records, waits) = (
-        driver_calls(dev, Call::StreamQuery),
-        driver_calls(dev, Call::EventRecord),
-        driver_calls(dev, Call::StreamWaitEvent),
-    );
-    // The other 24 MiB, s1's and s2's together, clean for s3.
-    let d = dev.alloc((24 * MIB) as usize, &s3).unwrap();
-    assert_eq!(driver_calls(dev, Call::StreamQuery), queries, "asked again");
+    assert_eq!(d.ptr().0, a_at, "not s1's range");
     assert_eq!(driver_calls(dev, Call::EventRecord), records, "an event");
     assert_eq!(driver_calls(dev, Call::StreamWaitEvent), waits, "a wait");
     assert_eq!(dev.stats().reserved_bytes.current, reserved, "grew");

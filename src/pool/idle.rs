@@ -152,7 +152,16 @@ impl PoolShared {
     /// before they were asked as `Clean`, the others as `Dirty` of their
     /// slot. `(whether any range was unparked, whether any memory became
     /// clean)`.
-    pub(super) fn unpark_reusing(&self, h: &mut HeapState, idle: &IdleStreams) -> (bool, bool) {
+    /// `own` (the requester's slot, if any) is not told that its ranges
+    /// were taken (see [`StreamLarge::take_parks_taken`]).
+    ///
+    /// [`StreamLarge::take_parks_taken`]: super::stream_large::StreamLarge::take_parks_taken
+    pub(super) fn unpark_reusing(
+        &self,
+        h: &mut HeapState,
+        idle: &IdleStreams,
+        own: Option<u16>,
+    ) -> (bool, bool) {
         // Cleaned first: unparking into `Dirty(slot)` moves the slot's
         // count on, and the clean would find it stale.
         let mut cleaned = idle
@@ -167,6 +176,9 @@ impl PoolShared {
         self.by_stream.drain_sorted(
             |slot, k, puts| idle.parked_before(slot, k, puts),
             |slot, clean, ranges| {
+                if Some(slot) != own {
+                    self.by_stream.note_parks_taken(slot);
+                }
                 cleaned |= clean;
                 let tag = if clean { Tag::Clean } else { Tag::Dirty(slot) };
                 h.heap.free_many(ranges, tag);
@@ -225,7 +237,7 @@ impl PoolShared {
         if idle.is_empty() {
             return false;
         }
-        let cleaned = self.unpark_reusing(&mut self.heap.lock(), &idle).1;
+        let cleaned = self.unpark_reusing(&mut self.heap.lock(), &idle, own).1;
         // (The streams are dropped here, outside every lock.)
         drop(idle);
         cleaned

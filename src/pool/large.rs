@@ -25,6 +25,15 @@ pub(super) enum PendingUse {
     Any,
 }
 
+/// How far above its live bytes the device may grow for a stream whose
+/// parked ranges another stream took (see `alloc_large`): 32 MiB, or an
+/// eighth of the live bytes where that is more. Within it, a thread taking
+/// turns on a few streams keeps a range per stream, as PyTorch's per-stream
+/// pools do, where the pool's reserved bytes stay within 1.3x live.
+fn own_range_slack(live: u64) -> u64 {
+    (32 << 20u64).max(live / 8)
+}
+
 impl PoolShared {
     /// A large range of `len` bytes (or, from the parking cache, up to
     /// 3/64 more): `(addr, its length)`.
@@ -53,11 +62,46 @@ impl PoolShared {
             if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
                 return keep(&mut h, t.addr);
             }
+            // The stream's own parked ranges, merged with their neighbours
+            // in the heap (still its own to reuse): a loop whose sizes
+            // vary finds there what no parked range fits exactly, with no
+            // query, event or driver call. (A stream repeating 3, 12 and
+            // 5 MiB took the slow path once every three allocations.)
+            if let Some(s) = stream.slot() {
+                let hh = &mut h.heap;
+                if self
+                    .by_stream
+                    .drain_slot_sorted(s, |ranges| hh.free_many(ranges, Tag::Dirty(s)))
+                {
+                    if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
+                        return keep(&mut h, t.addr);
+                    }
+                }
+            }
         }
         // The slow path from here on (events, growth, stitching): first,
         // is this stream capturing a graph the pool was not told about?
         self.counters.large_slow.fetch_add(1, Relaxed);
         self.detect_capture(stream);
+        // A stream whose parked ranges another stream's slow path took
+        // grows, if the device stays within `OWN_RANGE_SLACK` of its live
+        // bytes, instead of taking another's in turn: else one thread
+        // taking turns on several streams hands one range round them, each
+        // allocation a slow path with its stream queries (4 streams, one
+        // 3 MiB block each: 3 driver calls and 3 heap locks a pair, for
+        // ever).
+        if stream
+            .slot()
+            .is_some_and(|s| self.by_stream.take_parks_taken(s))
+        {
+            let live = self.counters.totals().1;
+            let mut h = self.heap.lock();
+            if h.heap.reserved() + len <= live + own_range_slack(live) {
+                if let Some(t) = self.heap_alloc_or_oom(&mut h, len, stream, PendingUse::None)? {
+                    return keep(&mut h, t.addr);
+                }
+            }
+        }
         // Parked ranges, merged with their neighbours, often fit where
         // none did: every stream's to the heap before any handover or
         // growth, clean for every stream where their streams have run all
@@ -66,7 +110,7 @@ impl PoolShared {
         let idle = self.query_idle(stream.slot());
         let cleaned = {
             let mut h = self.heap.lock();
-            let (unparked, cleaned) = self.unpark_reusing(&mut h, &idle);
+            let (unparked, cleaned) = self.unpark_reusing(&mut h, &idle, stream.slot());
             if unparked || cleaned {
                 if let Some(t) = h.heap.alloc_backed(len, ALIGN, stream.slot()) {
                     return keep(&mut h, t.addr);

@@ -48,7 +48,7 @@ use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::sync::atomic::{
-    AtomicU64, AtomicUsize,
+    AtomicBool, AtomicU64, AtomicUsize,
     Ordering::{Acquire, Relaxed, Release},
 };
 
@@ -192,6 +192,10 @@ pub(crate) struct StreamLarge {
     /// One shard's addresses while [`StreamLarge::drain_sorted`] hands them
     /// over (kept for its capacity; drains run under the heap lock).
     scratch: Mutex<Vec<u64>>,
+    /// Per part: another stream's slow path gave the part's parked ranges
+    /// to the heap since its stream last looked (see
+    /// [`StreamLarge::take_parks_taken`]).
+    parks_taken: Box<[AtomicBool]>,
 }
 
 /// The calling thread's shard in every part.
@@ -208,7 +212,21 @@ impl StreamLarge {
                 .map(|_| CachePadded::default())
                 .collect(),
             scratch: Mutex::default(),
+            parks_taken: (0..=slots).map(|_| AtomicBool::new(false)).collect(),
         }
+    }
+
+    /// Notes that a slow path of another stream than `slot`'s gave
+    /// `slot`'s parked ranges to the heap.
+    pub(crate) fn note_parks_taken(&self, slot: u16) {
+        self.parks_taken[self.part(Some(slot))].store(true, Relaxed);
+    }
+
+    /// Whether another stream's slow path gave `slot`'s parked ranges to
+    /// the heap since `slot`'s stream last asked.
+    pub(crate) fn take_parks_taken(&self, slot: u16) -> bool {
+        let f = &self.parks_taken[self.part(Some(slot))];
+        f.load(Relaxed) && f.swap(false, Relaxed)
     }
 
     fn parts(&self) -> usize {
@@ -430,6 +448,30 @@ impl StreamLarge {
             scratch.sort_unstable();
             f(slot, is_clean, &scratch);
         }
+    }
+
+    /// [`StreamLarge::drain_sorted`] for `slot`'s part alone: its parked
+    /// ranges' addresses, a shard's at a time, ascending, to `f` (the
+    /// shard's lock held); whether there were any.
+    pub(crate) fn drain_slot_sorted(&self, slot: u16, mut f: impl FnMut(&[u64])) -> bool {
+        let mut scratch = self.scratch.lock();
+        let mut any = false;
+        for sh in self.shards_of(self.part(Some(slot))) {
+            if sh.count.load(Relaxed) == 0 {
+                continue;
+            }
+            let mut st = sh.state.lock();
+            scratch.clear();
+            st.parked.drain_each(|_, a| scratch.push(a));
+            sh.publish(&st);
+            if scratch.is_empty() {
+                continue;
+            }
+            scratch.sort_unstable();
+            any = true;
+            f(&scratch);
+        }
+        any
     }
 
     /// Removes and returns the ranges parked by `slot` as `(len, addr)`.

@@ -770,7 +770,10 @@ impl Heap {
     /// another, and back to back the processor overlaps them; interleaved
     /// with the merges they waited on each other's misses.
     pub(crate) fn free_many(&mut self, addrs: &[u64], tag: Tag) {
-        let mut lens = Vec::with_capacity(addrs.len());
+        // Inline for the usual few (a stream's own parked ranges): a
+        // steady loop allocates nothing on the host.
+        let mut lens: smallvec::SmallVec<[u64; 16]> =
+            smallvec::SmallVec::with_capacity(addrs.len());
         for &addr in addrs {
             let len = self.allocated.remove(&addr).expect("range is allocated");
             self.allocated_bytes -= len;
