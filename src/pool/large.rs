@@ -27,9 +27,10 @@ pub(super) enum PendingUse {
 
 /// How far above its live bytes the device may grow for a stream whose
 /// parked ranges another stream took (see `alloc_large`): 32 MiB, or an
-/// eighth of the live bytes where that is more. Within it, a thread taking
-/// turns on a few streams keeps a range per stream, as PyTorch's per-stream
-/// pools do, where the pool's reserved bytes stay within 1.3x live.
+/// eighth of the live bytes where that is more. Within it, the streams of
+/// a small working set keep a range each, as PyTorch's per-stream pools
+/// do; a large working set's streams share, as before, and reserved
+/// memory stays within an eighth of live bytes for this.
 fn own_range_slack(live: u64) -> u64 {
     (32 << 20u64).max(live / 8)
 }
@@ -84,7 +85,7 @@ impl PoolShared {
         self.counters.large_slow.fetch_add(1, Relaxed);
         self.detect_capture(stream);
         // A stream whose parked ranges another stream's slow path took
-        // grows, if the device stays within `OWN_RANGE_SLACK` of its live
+        // grows, if the device stays within `own_range_slack` of its live
         // bytes, instead of taking another's in turn: else one thread
         // taking turns on several streams hands one range round them, each
         // allocation a slow path with its stream queries (4 streams, one
