@@ -153,8 +153,7 @@ fn four_threads_each_on_its_stream_reach_a_steady_state_together() {
     let dev = rt.device(0).unwrap();
     let threads = 4;
     let barrier = Barrier::new(threads + 1);
-    let before = std::sync::Mutex::new(None);
-    let host = std::thread::scope(|sc| {
+    let (stretch, host_allocs) = std::thread::scope(|sc| {
         let workers: Vec<_> = (0..threads)
             .map(|_| {
                 sc.spawn(|| {
@@ -183,17 +182,16 @@ fn four_threads_each_on_its_stream_reach_a_steady_state_together() {
             })
             .collect();
         barrier.wait(); // held
-        barrier.wait();
-        *before.lock().unwrap() = Some((slow_paths(dev), dev.backend().counters()));
-        barrier.wait();
-        barrier.wait();
-        let (slow, c) = before.lock().unwrap().take().unwrap();
+        barrier.wait(); // warm
+        let (slow, c) = (slow_paths(dev), dev.backend().counters());
+        barrier.wait(); // counters read
+        barrier.wait(); // done
         let stretch = (slow_paths(dev) - slow, dev.backend().counters().since(&c));
         barrier.wait();
         let host = workers.into_iter().map(|w| w.join().unwrap()).sum::<u64>();
         (stretch, host)
     });
-    let ((slow_paths, driver), host_allocs) = host;
+    let (slow_paths, driver) = stretch;
     Stretch {
         slow_paths,
         driver,
