@@ -198,6 +198,32 @@ pub(crate) struct StreamLarge {
     parks_taken: Box<[AtomicBool]>,
 }
 
+/// Takes shard `sh`'s parked addresses into `scratch`, ascending, and
+/// runs `f` on them with `first`'s answer (asked of the shard's park
+/// count before the take) while the shard's lock is held; whether it had
+/// any.
+fn drain_shard_sorted<R>(
+    sh: &Shard,
+    scratch: &mut Vec<u64>,
+    first: impl FnOnce(u64) -> R,
+    f: impl FnOnce(R, &[u64]),
+) -> bool {
+    if sh.count.load(Relaxed) == 0 {
+        return false;
+    }
+    let mut st = sh.state.lock();
+    let r = first(st.parked.puts);
+    scratch.clear();
+    st.parked.drain_each(|_, a| scratch.push(a));
+    sh.publish(&st);
+    if scratch.is_empty() {
+        return false;
+    }
+    scratch.sort_unstable();
+    f(r, scratch);
+    true
+}
+
 /// The calling thread's shard in every part.
 #[inline]
 fn my_shard() -> usize {
@@ -433,20 +459,13 @@ impl StreamLarge {
     ) {
         let mut scratch = self.scratch.lock();
         for (i, sh) in self.shards.iter().enumerate() {
-            if sh.count.load(Relaxed) == 0 {
-                continue;
-            }
-            let mut st = sh.state.lock();
             let slot = (i / SHARDS) as u16;
-            let is_clean = clean(slot, i % SHARDS, st.parked.puts);
-            scratch.clear();
-            st.parked.drain_each(|_, a| scratch.push(a));
-            sh.publish(&st);
-            if scratch.is_empty() {
-                continue;
-            }
-            scratch.sort_unstable();
-            f(slot, is_clean, &scratch);
+            drain_shard_sorted(
+                sh,
+                &mut scratch,
+                |puts| clean(slot, i % SHARDS, puts),
+                |is_clean, addrs| f(slot, is_clean, addrs),
+            );
         }
     }
 
@@ -457,19 +476,7 @@ impl StreamLarge {
         let mut scratch = self.scratch.lock();
         let mut any = false;
         for sh in self.shards_of(self.part(Some(slot))) {
-            if sh.count.load(Relaxed) == 0 {
-                continue;
-            }
-            let mut st = sh.state.lock();
-            scratch.clear();
-            st.parked.drain_each(|_, a| scratch.push(a));
-            sh.publish(&st);
-            if scratch.is_empty() {
-                continue;
-            }
-            scratch.sort_unstable();
-            any = true;
-            f(&scratch);
+            any |= drain_shard_sorted(sh, &mut scratch, |_| (), |(), addrs| f(addrs));
         }
         any
     }
